@@ -1,0 +1,111 @@
+"""The Python API: ``jakiro.load(...)`` returns a ready speculative generator."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterator
+
+from .decoding.engine import Engine, GenerationResult
+from .decoding.proposers import DraftProposer, PromptLookupProposer, Proposer, TreeBudget
+from .decoding.sampling import SamplingParams
+from .errors import JakiroError
+
+METHODS = ("ar", "pld", "eagle2", "jakiro")
+DRAFT_METHODS = ("eagle2", "jakiro")
+SHIPPED_DRAFTS_DIR = os.path.join(os.path.dirname(__file__), "drafts")
+
+
+def shipped_draft(method: str) -> str | None:
+    """The draft trained for the default model that ships with the package, if any."""
+    path = os.path.join(SHIPPED_DRAFTS_DIR, f"smollm2-135m-{method}")
+    return path if os.path.exists(os.path.join(path, "config.json")) else None
+
+
+def load_tokenizer(folder: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise JakiroError(f"cannot load the tokenizer from {folder}: {exc}") from None
+
+
+class Jakiro:
+    """A target model, its tokenizer, and one engine per decoding method (sharing the target)."""
+
+    def __init__(self, target, tokenizer, target_path: str):
+        self.target, self.tokenizer, self.target_path = target, tokenizer, target_path
+        self.engines: dict[str, Engine] = {}
+        self.default_method = "ar"
+
+    def add_method(self, method: str, draft: str | None = None, budget: TreeBudget | None = None,
+                   candidate_mode: str | None = None, parallel_decoding: bool | None = None,
+                   pld_tokens: int = 6) -> Engine:
+        if method not in METHODS:
+            raise JakiroError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        proposer: Proposer
+        if method == "ar":
+            proposer = Proposer()
+        elif method == "pld":
+            proposer = PromptLookupProposer(num_tokens=pld_tokens)
+        else:
+            from .draft import load_draft
+            draft = draft or shipped_draft(method)
+            if draft is None:
+                raise JakiroError(f"method {method} needs a draft: pass --draft PATH")
+            model = load_draft(draft, self.target)
+            if model.config.method != method:
+                raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
+            try:
+                proposer = DraftProposer(model, budget or TreeBudget(), candidate_mode, parallel_decoding)
+            except ValueError as exc:
+                raise JakiroError(str(exc)) from None
+        engine = Engine(self.target, self.tokenizer, proposer)
+        self.engines[method] = engine
+        return engine
+
+    def engine(self, method: str | None = None) -> Engine:
+        method = method or self.default_method
+        if method not in self.engines:
+            self.add_method(method)
+        return self.engines[method]
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop: list[str] | None = None, chat: bool = True, method: str | None = None,
+                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        return self.engine(method).generate(prompt, max_new_tokens, params, stop, chat, on_text)
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               stop: list[str] | None = None, chat: bool = True,
+               method: str | None = None) -> Iterator[str]:
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        return self.engine(method).stream(prompt, max_new_tokens, params, stop, chat)
+
+
+def load(target: str | None = None, draft: str | None = None, method: str | None = None,
+         depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
+         candidate_mode: str | None = None, parallel_decoding: bool | None = None,
+         cache_dir: str | None = None) -> Jakiro:
+    """Load a target (default: SmolLM2-135M-Instruct) and set up ``method`` (default: the draft's
+    method when a draft is given, else plain decoding)."""
+    from .models.hub import resolve_target
+    from .models.target import TargetModel
+
+    path = resolve_target(target, cache_dir)
+    model = TargetModel.from_folder(path)
+    jk = Jakiro(model, load_tokenizer(path), path)
+    if method is None and draft is not None:
+        from .draft.checkpoint import read_draft_config
+        method = read_draft_config(draft).method
+    method = method or "ar"
+    defaults = TreeBudget()
+    try:
+        budget = TreeBudget(depth or defaults.depth, top_k or defaults.top_k,
+                            total_tokens or defaults.total_tokens)
+    except ValueError as exc:
+        raise JakiroError(str(exc)) from None
+    jk.add_method(method, draft, budget, candidate_mode, parallel_decoding)
+    jk.default_method = method
+    return jk

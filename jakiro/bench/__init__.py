@@ -1,0 +1,1 @@
+"""Benchmarks: commands that measure and write JSON."""

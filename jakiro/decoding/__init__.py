@@ -1,0 +1,1 @@
+"""Decoding: sampling parameters, draft trees, verification, proposers and the decode loop."""

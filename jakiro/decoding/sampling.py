@@ -1,0 +1,73 @@
+"""Sampling parameters and the logits processors (temperature, top-k, top-p) shared by plain
+decoding and speculative verification, so both sample from exactly the same distribution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import JakiroError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
+            raise JakiroError(f"temperature must be a number, got {self.temperature!r}")
+        if not self.temperature >= 0 or self.temperature != self.temperature or self.temperature == float("inf"):
+            raise JakiroError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise JakiroError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise JakiroError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise JakiroError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        g = torch.Generator()
+        if self.seed is not None:
+            g.manual_seed(self.seed)
+        else:
+            g.seed()
+        return g
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target distribution after temperature, top-k and top-p: logits [..., V] -> probs [..., V]
+    (float32). Requires temperature > 0."""
+    logits = logits.float() / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked before it already cover top_p
+        cum_before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = cum_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from a probability vector [V]."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Plain decoding step: argmax when greedy, else a sample of the processed distribution."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return sample(processed_probs(logits, params), generator)

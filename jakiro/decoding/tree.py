@@ -1,0 +1,84 @@
+"""Draft token trees: the structure verified by one target forward.
+
+Node 0 is the root (the last committed token, not yet in the target's KV cache); every other
+node's parent precedes it. From ``tokens`` and ``parents`` we derive, with loops over depth only
+(never over nodes): ``depths``, the ancestor-or-self ``tree_mask``, and one ``retrieve_paths``
+row per leaf (node indices from the root down, padded with -1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Tree:
+    tokens: torch.Tensor  # [n] long, tokens[0] = root
+    parents: torch.Tensor  # [n] long, parents[0] = -1, parents[i] < i
+    depths: torch.Tensor  # [n] long, depths[0] = 0
+    tree_mask: torch.Tensor  # [n, n] bool, True where j is i or an ancestor of i
+    retrieve_paths: torch.Tensor  # [leaves, max_depth + 1] long, -1 padded
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def children(self, node: int) -> torch.Tensor:
+        return torch.nonzero(self.parents == node).flatten()
+
+
+def build_tree(tokens: torch.Tensor, parents: torch.Tensor) -> Tree:
+    n = int(tokens.shape[0])
+    parents = parents.to(torch.long)
+    if n == 0 or int(parents[0]) != -1:
+        raise ValueError("node 0 must be the root (parent -1)")
+    idx = torch.arange(n)
+    if n > 1 and not bool((parents[1:] < idx[1:]).all() and (parents[1:] >= 0).all()):
+        raise ValueError("every non-root node's parent must come before it")
+    tree_mask = torch.eye(n, dtype=torch.bool)
+    depths = torch.zeros(n, dtype=torch.long)
+    anc = parents.clone()
+    while bool((anc >= 0).any()):
+        valid = anc >= 0
+        tree_mask[idx[valid], anc[valid]] = True
+        depths += valid
+        anc = torch.where(valid, parents[anc.clamp(min=0)], anc)
+    is_leaf = torch.ones(n, dtype=torch.bool)
+    is_leaf[parents[1:]] = False
+    leaves = idx[is_leaf]
+    # a leaf's ancestors, sorted by index, are its path from the root (parents precede children)
+    paths = torch.where(tree_mask[leaves], idx, n).sort(dim=1).values[:, : int(depths.max()) + 1]
+    retrieve_paths = torch.where(paths == n, -1, paths)
+    return Tree(tokens.to(torch.long), parents, depths, tree_mask, retrieve_paths)
+
+
+def chain_tree(root: int, drafted: list[int] | torch.Tensor) -> Tree:
+    """A single path: root followed by the drafted tokens (prompt lookup, top_k = 1 drafts)."""
+    drafted = torch.as_tensor(drafted, dtype=torch.long).flatten()
+    tokens = torch.cat((torch.tensor([root]), drafted))
+    return build_tree(tokens, torch.arange(-1, tokens.shape[0] - 1))
+
+
+def select_nodes(scores: torch.Tensor, parents: torch.Tensor, total_tokens: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2 reranking: keep the ``total_tokens`` best candidates by cumulative log-prob.
+
+    ``scores``/``parents`` [m] describe candidates 0..m-1 in creation order (a parent is created
+    before its children; parent -1 means the root). A child never scores above its parent, and a
+    stable sort puts a parent ahead of a tied child, so the kept set is ancestor-closed.
+    Returns (kept candidate indices in creation order, their parents as positions in the output
+    tree where 0 is the root and kept candidate j is node j + 1).
+    """
+    m = int(scores.shape[0])
+    k = min(total_tokens, m)
+    order = torch.sort(-scores, stable=True).indices[:k]
+    kept = order.sort().values
+    position = torch.full((m,), -1, dtype=torch.long)
+    position[kept] = torch.arange(1, k + 1)
+    kept_parents = parents[kept]
+    tree_parents = torch.where(kept_parents >= 0, position[kept_parents.clamp(min=0)], 0)
+    if bool((tree_parents < 0).any()):
+        raise AssertionError("dynamic tree selection is not ancestor-closed")
+    return kept, tree_parents

@@ -1,0 +1,93 @@
+"""Draft checkpoints: a folder with config.json and model.safetensors, validated on load."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..errors import JakiroError
+from .config import DraftConfig
+from .model import DraftModel
+
+
+def save_draft(model: DraftModel, folder: str, extra: dict | None = None) -> None:
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    cfg = model.config.to_json_dict()
+    if extra:
+        cfg.update(extra)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    tmp = os.path.join(folder, "model.safetensors.tmp")
+    save_file(state, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def read_draft_config(folder: str) -> DraftConfig:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isdir(folder):
+        raise JakiroError(f"draft folder not found: {folder}")
+    if not os.path.exists(path):
+        raise JakiroError(f"{folder} is not a draft checkpoint (no config.json)")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise JakiroError(f"cannot read draft config {path}: {exc}") from None
+    return DraftConfig.from_json_dict(data)
+
+
+def check_compatible(config: DraftConfig, target_config) -> None:
+    """A draft only works with the target whose features and vocabulary it was trained on."""
+    problems = []
+    if config.hidden_size != target_config.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} != target's {target_config.hidden_size}")
+    if config.vocab_size != target_config.vocab_size:
+        problems.append(f"vocabulary {config.vocab_size} != target's {target_config.vocab_size}")
+    if problems:
+        name = f" ({config.target_name})" if config.target_name else ""
+        raise JakiroError(f"draft does not match the target: {'; '.join(problems)}; "
+                          f"it was trained for another model{name}")
+
+
+def load_draft(folder: str, target=None) -> DraftModel:
+    """Load and validate a draft; with ``target`` (a TargetModel) check it matches and attach the
+    target's embedding and LM head."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = read_draft_config(folder)
+    if target is not None:
+        check_compatible(config, target.config)
+    weights = os.path.join(folder, "model.safetensors")
+    if not os.path.exists(weights):
+        raise JakiroError(f"draft weights missing: {weights}")
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise JakiroError(f"corrupted draft weights {weights}: {exc}") from None
+    model = DraftModel(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {', '.join(unexpected)}")
+        raise JakiroError(f"draft weights do not match its config.json: {'; '.join(parts)}")
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise JakiroError(f"draft weight {key} has shape {tuple(tensor.shape)}, "
+                              f"config says {tuple(expected[key].shape)}")
+    model.load_state_dict(state)
+    if config.draft_vocab_size is not None and int(model.d2t.max()) >= config.vocab_size:
+        raise JakiroError("draft vocabulary map points outside the target vocabulary")
+    model.eval()
+    if target is not None:
+        model.attach_target(target.embed, target.lm_head.weight)
+    return model

