@@ -1,0 +1,70 @@
+"""Shared test helpers: tiny random Hugging Face models and a character tokenizer, so the engine
+is tested without downloading anything."""
+
+from __future__ import annotations
+
+import torch
+
+
+def spec_bench_prompts(n: int) -> list[str]:
+    """n first-turn questions spread round-robin over the categories of the Spec-Bench file
+    (../shared/data/spec_bench/question.jsonl, or MT-bench from its package when absent)."""
+    from jakiro.data.questions import development_questions
+    by_cat: dict[str, list[str]] = {}
+    for q in development_questions():
+        by_cat.setdefault(q["category"], []).append(q["turns"][0])
+    out: list[str] = []
+    for i in range(max(len(v) for v in by_cat.values())):
+        for cat in sorted(by_cat):
+            if i < len(by_cat[cat]) and len(out) < n:
+                out.append(by_cat[cat][i])
+    return out
+
+
+def tiny_hf_config(model_type: str = "llama", vocab_size: int = 256, **overrides):
+    from transformers import AutoConfig
+    kwargs = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, tie_word_embeddings=model_type in ("llama", "qwen3"),
+                  bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    if model_type == "qwen3":
+        kwargs["head_dim"] = 32
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def make_tiny_target(folder: str, model_type: str = "llama", seed: int = 0, std: float = 0.2,
+                     **overrides) -> str:
+    """Save a random model to ``folder``. A large init std makes its distributions peaky, which
+    is closer to a trained model than near-uniform logits."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    config = tiny_hf_config(model_type, **overrides)
+    config.initializer_range = std
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random norm weights and biases too, so their handling is tested
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+class CharTokenizer:
+    """Bytes mapped onto a small vocabulary: id 0 = BOS, id 1 = EOS, 2.. = bytes modulo."""
+
+    chat_template = None
+
+    def __init__(self, vocab_size: int = 256):
+        self.vocab_size = vocab_size
+        self.eos_token_id = 1
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        ids = [2 + b % (self.vocab_size - 2) for b in text.encode("utf-8")]
+
+        class _Enc:
+            input_ids = ([0] if add_special_tokens else []) + ids
+        return _Enc()
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(32 + (i - 2) % 95) for i in ids if i > 1 or not skip_special_tokens)

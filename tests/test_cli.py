@@ -1,0 +1,57 @@
+"""The command line: JSON output and one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "jakiro", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_generate_json():
+    res = run_cli("generate", "--prompt", "What is 2+2?", "--max-new-tokens", "8", "--json",
+                  "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    for key in ("text", "token_ids", "new_tokens", "tokens_per_s", "method", "tau", "target_forwards",
+                "accept_rate_per_depth"):
+        assert key in out
+    assert out["method"] == "ar" and out["new_tokens"] == len(out["token_ids"]) <= 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", "/nonexistent/model"], "target model not found: /nonexistent/model"),
+    (["--max-new-tokens", "9000"], "exceeds the model's context length"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["--top-k", "2.5"], "argument --top-k: invalid int value: '2.5'"),
+    (["--method", "jakiro", "--draft", "/nonexistent/draft"], "draft folder not found"),
+])
+def test_bad_input_gives_one_line_error(args, message):
+    res = run_cli("generate", "--prompt", "hi", *args)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("jakiro")]
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_unsupported_architecture_cli(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    res = run_cli("generate", "--prompt", "hi", "--target", str(tmp_path))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "unsupported architecture 'gpt2'" in res.stderr
+
+
+def test_unreadable_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file")
+    res = run_cli("generate", "--prompt", "hi", "--target", str(bad), "--cache-dir", str(tmp_path / "c"))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "cannot load GGUF file" in res.stderr

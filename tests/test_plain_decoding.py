@@ -1,0 +1,91 @@
+"""Plain decoding: exact greedy equality with Hugging Face, seeded sampling, stop rules."""
+
+import pytest
+import torch
+
+from helpers import spec_bench_prompts
+from jakiro.decoding.sampling import SamplingParams, processed_probs
+from jakiro.errors import JakiroError
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain recursion to a ten year old.",
+    "List three uses of baking soda.",
+    "Translate 'good morning' into Spanish and German.",
+    "def fibonacci(n):",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "What is 17 times 23?",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+] + spec_bench_prompts(2)
+
+
+def test_greedy_equals_hf_generate(smol):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(smol.target_path, dtype=torch.float32).eval()
+    engine = smol.engine("ar")
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)[0, len(ids):]
+        ours = smol.generate(ids, max_new_tokens=64, method="ar")
+        assert ours.token_ids == ref.tolist(), prompt
+
+
+def test_seeded_sampling_is_reproducible(smol):
+    kw = dict(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, method="ar")
+    a = smol.generate("Tell me a story.", seed=123, **kw)
+    b = smol.generate("Tell me a story.", seed=123, **kw)
+    c = smol.generate("Tell me a story.", seed=7, **kw)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_string_max_tokens_and_streaming(smol):
+    full = smol.generate("Count from one to twenty in words, separated by commas.", max_new_tokens=40)
+    assert full.finish_reason in ("length", "stop")
+    assert len(full.token_ids) <= 40
+    words = full.text.split()
+    assert len(words) > 4
+    word = words[len(words) // 2]
+    stopped = smol.generate("Count from one to twenty in words, separated by commas.",
+                            max_new_tokens=40, stop=[word])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(word)]
+    assert word not in stopped.text
+    pieces = list(smol.stream("Count from one to twenty in words, separated by commas.",
+                              max_new_tokens=40))
+    assert "".join(pieces) == full.text and len(pieces) > 3
+    short = smol.generate("Why is the sky blue?", max_new_tokens=5)
+    assert short.finish_reason == "length" and len(short.token_ids) == 5
+
+
+def test_eos_stops_generation(smol):
+    res = smol.generate("Reply with just the word: yes", max_new_tokens=60)
+    assert res.finish_reason == "stop"
+    assert res.token_ids[-1] in smol.engine().eos_ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=2.5), "top_k must be a non-negative integer"),
+    (dict(max_new_tokens=0), "max_new_tokens must be a positive integer"),
+    (dict(max_new_tokens=9000), r"exceeds the model's context length \(8192\)"),
+])
+def test_bad_generation_arguments(smol, kwargs, message):
+    with pytest.raises(JakiroError, match=message):
+        smol.generate("hello", **kwargs)
+
+
+def test_processors_temperature_top_k_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
+    p = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    torch.testing.assert_close(p, torch.tensor([0.5, 0.25, 0, 0]) / 0.75)
+    p = processed_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    torch.testing.assert_close(p, torch.tensor([0.5, 0.25, 0.15, 0]) / 0.9)
+    p = processed_probs(logits, SamplingParams(temperature=0.5))
+    q = torch.tensor([0.5, 0.25, 0.15, 0.1]) ** 2
+    torch.testing.assert_close(p, q / q.sum())

@@ -1,0 +1,124 @@
+"""Our target forward against Hugging Face transformers, tree attention and KV compaction."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import make_tiny_target
+from jakiro.decoding.tree import build_tree
+from jakiro.errors import JakiroError
+from jakiro.models.kv_cache import KVCache
+from jakiro.models.target import TargetModel
+
+
+def hf_logits(folder, ids):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_logits_match_hf_tiny(tmp_path, model_type):
+    folder = make_tiny_target(str(tmp_path), model_type)
+    ids = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(1))
+    ref = hf_logits(folder, ids)
+    model = TargetModel.from_folder(folder)
+    cache = model.new_cache(64)
+    a, _ = model(ids[:20], cache)  # prefill, then the rest on top of the cache
+    cache.commit(20)
+    b, _ = model(ids[20:], cache)
+    torch.testing.assert_close(torch.cat((a, b)), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_match_hf_llama3_rope(tmp_path):
+    folder = make_tiny_target(str(tmp_path), "llama", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(2))
+    model = TargetModel.from_folder(folder)
+    logits, _ = model(ids, model.new_cache(90))
+    torch.testing.assert_close(logits, hf_logits(folder, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_logits_and_features_match_hf_smollm2(smol):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(smol.target_path, dtype=torch.float32).eval()
+    ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome."))
+    with torch.no_grad():
+        out = hf(ids[None], output_hidden_states=True)
+    model = smol.target
+    cache = model.new_cache(len(ids))
+    logits, feats = model(ids, cache)
+    torch.testing.assert_close(logits, out.logits[0], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(feats, out.hidden_states[-1][0], atol=2e-4, rtol=1e-4)
+
+
+def test_tree_branches_match_decoding_each_branch_alone(tiny_llama_dir):
+    model = TargetModel.from_folder(tiny_llama_dir)
+    prefix = torch.arange(2, 30)
+    # root 7 with two branches: 7 -> 9 -> 11 and 7 -> 12 -> 13 -> 14, plus 7 -> 9 -> 15
+    tree = build_tree(torch.tensor([7, 9, 12, 11, 13, 15, 14]), torch.tensor([-1, 0, 0, 1, 2, 1, 4]))
+    cache = model.new_cache(64)
+    model(prefix, cache)
+    cache.commit(len(prefix))
+    logits, feats = model(tree.tokens, cache, cache.length + tree.depths, tree.tree_mask)
+    for path in tree.retrieve_paths:
+        path = path[path >= 0]
+        alone = model.new_cache(64)
+        model(prefix, alone)
+        alone.commit(len(prefix))
+        ref_logits, ref_feats = model(tree.tokens[path], alone)
+        torch.testing.assert_close(logits[path], ref_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(feats[path], ref_feats, atol=1e-5, rtol=1e-5)
+
+
+def test_keep_compacts_accepted_path_and_next_forward_matches(tiny_llama_dir):
+    model = TargetModel.from_folder(tiny_llama_dir)
+    prefix = torch.arange(2, 20)
+    tree = build_tree(torch.tensor([7, 9, 12, 11, 13]), torch.tensor([-1, 0, 0, 2, 2]))
+    cache = model.new_cache(64)
+    model(prefix, cache)
+    cache.commit(len(prefix))
+    model(tree.tokens, cache, cache.length + tree.depths, tree.tree_mask)
+    cache.keep(torch.tensor([0, 2, 4]))  # accept 7 -> 12 -> 13
+    assert cache.length == len(prefix) + 3
+    after, _ = model(torch.tensor([5]), cache)
+    ref_cache = model.new_cache(64)
+    ref, _ = model(torch.cat((prefix, torch.tensor([7, 12, 13, 5]))), ref_cache)
+    torch.testing.assert_close(after[0], ref[-1], atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_keep_moves_exactly_the_chosen_entries():
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=1, max_len=16)
+    for layer in range(2):
+        cache.write(layer, torch.arange(4.).view(1, 1, 4, 1), torch.arange(4.).view(1, 1, 4, 1) + 10)
+    cache.commit(4)
+    for layer in range(2):
+        new = torch.arange(100., 106.).view(1, 1, 6, 1)
+        cache.write(layer, new, new + 100)
+    cache.keep(torch.tensor([0, 3, 5]))
+    assert cache.length == 7
+    for layer in range(2):
+        k = cache.data[layer, 0, 0, 0, :7, 0].tolist()
+        v = cache.data[layer, 1, 0, 0, :7, 0].tolist()
+        assert k == [0, 1, 2, 3, 100, 103, 105]
+        assert v == [10, 11, 12, 13, 200, 203, 205]
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
+    with pytest.raises(JakiroError, match="unsupported architecture 'gpt2'"):
+        TargetModel.from_folder(str(tmp_path))
+
+
+def test_missing_weight_is_a_clear_error(tmp_path, tiny_llama_dir):
+    from safetensors.torch import load_file, save_file
+    state = load_file(os.path.join(tiny_llama_dir, "model.safetensors"))
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(open(os.path.join(tiny_llama_dir, "config.json")).read())
+    with pytest.raises(JakiroError, match="missing weight 'model.layers.1.mlp.down_proj.weight'"):
+        TargetModel.from_folder(str(tmp_path))
