@@ -1,0 +1,126 @@
+"""Tree construction on hand-built cases, and the shape of the trees the draft proposer builds."""
+
+import torch
+
+from helpers import make_tiny_target
+from jakiro.decoding.proposers import DraftProposer, PromptLookupProposer, TreeBudget
+from jakiro.decoding.tree import build_tree, chain_tree, select_nodes
+from jakiro.draft import DraftConfig, DraftModel
+from jakiro.models.target import TargetModel
+
+
+def test_build_tree_mask_positions_and_paths():
+    #        0
+    #      / | \
+    #     1  2  3
+    #    / \     \
+    #   4   5     6
+    #   |
+    #   7
+    tree = build_tree(torch.tensor([10, 11, 12, 13, 14, 15, 16, 17]),
+                      torch.tensor([-1, 0, 0, 0, 1, 1, 3, 4]))
+    assert tree.depths.tolist() == [0, 1, 1, 1, 2, 2, 2, 3]
+    expected_ancestors = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 3], 4: [0, 1, 4], 5: [0, 1, 5],
+                          6: [0, 3, 6], 7: [0, 1, 4, 7]}
+    for node, anc in expected_ancestors.items():
+        assert torch.nonzero(tree.tree_mask[node]).flatten().tolist() == anc
+    paths = {tuple(p[p >= 0].tolist()) for p in tree.retrieve_paths}
+    assert paths == {(0, 2), (0, 1, 5), (0, 3, 6), (0, 1, 4, 7)}
+    assert tree.retrieve_paths.shape == (4, 4)
+    assert tree.children(1).tolist() == [4, 5]
+
+
+def test_build_tree_rejects_parent_after_child():
+    import pytest
+    with pytest.raises(ValueError, match="parent must come before"):
+        build_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 2, 0]))
+
+
+def test_chain_tree_is_a_single_path():
+    tree = chain_tree(5, [6, 7, 8])
+    assert tree.tokens.tolist() == [5, 6, 7, 8]
+    assert tree.depths.tolist() == [0, 1, 2, 3]
+    assert tree.retrieve_paths.tolist() == [[0, 1, 2, 3]]
+    assert bool(tree.tree_mask.equal(torch.ones(4, 4, dtype=torch.bool).tril()))
+    root_only = chain_tree(5, [])
+    assert root_only.retrieve_paths.tolist() == [[0]]
+
+
+def test_select_nodes_keeps_best_and_is_ancestor_closed():
+    # candidates: 0,1 children of root; 2,3 children of 0; 4 child of 2; 5 child of 1
+    scores = torch.tensor([-0.1, -1.0, -0.3, -2.0, -0.5, -1.0])
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1])
+    kept, tree_parents = select_nodes(scores, parents, total_tokens=4)
+    assert kept.tolist() == [0, 1, 2, 4]  # the tie between 1 and 5 goes to the parent
+    assert tree_parents.tolist() == [0, 0, 1, 3]  # positions in the tree, root = 0
+
+
+def test_prompt_lookup_proposes_continuation_of_last_match():
+    pld = PromptLookupProposer(num_tokens=3, max_ngram=2)
+    tree = pld.propose([1, 2, 3, 4, 5, 9, 2, 3])
+    assert tree.tokens.tolist() == [3, 4, 5, 9]
+    assert pld.propose([1, 2, 3]).tokens.tolist() == [3]
+
+
+def _tiny_jakiro(tmp_path, **overrides):
+    target = TargetModel.from_folder(make_tiny_target(str(tmp_path), "llama"))
+    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", **overrides)
+    torch.manual_seed(0)
+    draft = DraftModel(cfg).eval()
+    draft.reset_parameters(std=0.3)
+    draft.attach_target(target.embed, target.lm_head.weight)
+    return target, draft
+
+
+def _start(proposer, target, prompt):
+    cache = target.new_cache(64)
+    _, feats = target(prompt, cache)
+    proposer.start(64)
+    proposer.observe(feats, torch.cat((prompt[1:], torch.tensor([42]))))
+    return prompt.tolist() + [42]
+
+
+def test_contrastive_children_hang_under_best_child_of_their_producer(tmp_path):
+    target, draft = _tiny_jakiro(tmp_path, num_experts=3, experts_per_token=2)
+    prompt = torch.arange(2, 22)
+    proposer = DraftProposer(draft, TreeBudget(depth=2, top_k=3, total_tokens=100))
+    tree = proposer.propose(_start(proposer, target, prompt))
+    # the same forward by hand: pairs (f_t, x_{t+1}) for the prompt, the root's row is the last
+    cache = target.new_cache(64)
+    _, feats = target(prompt, cache)
+    with torch.inference_mode():
+        out = draft(feats[None], torch.cat((prompt[1:], torch.tensor([42])))[None],
+                    torch.arange(len(prompt)), draft.new_cache(64))
+        tokens, logp, _ = proposer._children(out, torch.tensor([len(prompt) - 1]), 3)
+        con = torch.topk(draft.head_logits(out.contrastive[0, -1]).log_softmax(-1), 3).indices
+    depth1 = torch.nonzero(tree.depths == 1).flatten()
+    depth2 = torch.nonzero(tree.depths == 2).flatten()
+    assert sorted(tree.tokens[depth1].tolist()) == sorted(tokens[0].tolist())
+    best_token = int(tokens[0, logp[0].argmax()])
+    assert sorted(tree.tokens[depth2].tolist()) == sorted(con.tolist())
+    for node in depth2.tolist():
+        parent = int(tree.parents[node])
+        assert int(tree.depths[parent]) == 1 and int(tree.tokens[parent]) == best_token
+
+
+def test_decoupled_children_come_from_distinct_experts_without_duplicates(tmp_path):
+    target, draft = _tiny_jakiro(tmp_path, num_experts=4, experts_per_token=3, parallel_decoding=False)
+    proposer = DraftProposer(draft, TreeBudget(depth=3, top_k=5, total_tokens=200), "decoupled")
+    tree = proposer.propose(_start(proposer, target, torch.arange(2, 22)))
+    assert tree.size == 1 + 5 + 25 + 25  # every candidate kept with a large budget
+    for node in range(tree.size):
+        kids = tree.children(node)
+        assert len(set(tree.tokens[kids].tolist())) == len(kids)
+    assert int(tree.depths.max()) == 3
+
+
+def test_parallel_decoding_saves_one_draft_forward(tmp_path):
+    target, draft = _tiny_jakiro(tmp_path)
+    counts = {}
+    for parallel in (True, False):
+        proposer = DraftProposer(draft, TreeBudget(depth=4, top_k=2, total_tokens=30),
+                                 parallel_decoding=parallel)
+        tree = proposer.propose(_start(proposer, target, torch.arange(2, 22)))
+        counts[parallel] = proposer.draft_forwards
+        assert int(tree.depths.max()) == 4
+    assert counts == {True: 3, False: 4}

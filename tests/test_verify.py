@@ -1,0 +1,62 @@
+"""Greedy verification, table style: which path is accepted and which bonus token follows."""
+
+import pytest
+import torch
+
+from jakiro.decoding.tree import build_tree, chain_tree
+from jakiro.decoding.verify import verify_greedy, verify_sampling
+from jakiro.decoding.sampling import SamplingParams
+
+V = 10
+
+
+def logits_with_argmax(argmaxes):
+    logits = torch.zeros(len(argmaxes), V)
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
+    return logits
+
+
+@pytest.mark.parametrize("name, drafted, target_argmax, accepted, bonus", [
+    ("perfect match", [3, 4, 5], [3, 4, 5, 6], [0, 1, 2, 3], 6),
+    ("early mismatch", [3, 4, 5], [7, 4, 5, 6], [0], 7),
+    ("late mismatch", [3, 4, 5], [3, 4, 9, 6], [0, 1, 2], 9),
+    ("nothing drafted", [], [8], [0], 8),
+])
+def test_greedy_chain(name, drafted, target_argmax, accepted, bonus):
+    verdict = verify_greedy(chain_tree(1, drafted), logits_with_argmax(target_argmax))
+    assert verdict.accepted.tolist() == accepted, name
+    assert verdict.bonus == bonus, name
+
+
+def test_greedy_tree_takes_the_longest_accepted_branch():
+    # root 1 -> {2 -> 4, 3 -> 5 -> 6}; target: after 1 comes 3, after 3 comes 5, after 5 comes 7
+    tree = build_tree(torch.tensor([1, 2, 3, 4, 5, 6]), torch.tensor([-1, 0, 0, 1, 2, 4]))
+    verdict = verify_greedy(tree, logits_with_argmax([3, 4, 5, 0, 7, 0]))
+    assert verdict.accepted.tolist() == [0, 2, 4]
+    assert verdict.bonus == 7
+    assert verdict.accept_length == 2
+
+
+def test_sampling_with_certain_target_accepts_what_it_would_sample():
+    tree = build_tree(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, 0, 2]))
+    logits = torch.full((4, V), -1e9)
+    logits[0, 3] = logits[2, 4] = logits[3, 9] = 0.0  # deterministic target: 1 -> 3 -> 4 -> 9
+    logits[1, 0] = 0.0
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        verdict = verify_sampling(tree, logits, SamplingParams(temperature=1.0), g)
+        assert verdict.accepted.tolist() == [0, 2, 3] and verdict.bonus == 9
+
+
+def test_sampling_rejection_uses_residual_distribution():
+    # target at root: p(2) = 0.5, p(5) = 0.5; the only draft child is 2
+    tree = chain_tree(1, [2])
+    logits = torch.full((2, V), -1e9)
+    logits[0, 2] = logits[0, 5] = 0.0
+    logits[1, 7] = 0.0
+    g = torch.Generator().manual_seed(0)
+    outcomes = [verify_sampling(tree, logits, SamplingParams(temperature=1.0), g) for _ in range(2000)]
+    rejected = [v for v in outcomes if v.accept_length == 0]
+    assert all(v.bonus == 5 for v in rejected)  # 2 was rejected, so the residual is all on 5
+    assert all(v.bonus == 7 for v in outcomes if v.accept_length == 1)
+    assert 900 < len(rejected) < 1100
