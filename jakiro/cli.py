@@ -63,6 +63,39 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--new-tokens", type=int, default=64, help="tokens per plain decoding run")
     c.add_argument("--rounds", type=int, default=3, help="alternating ours/HF decoding rounds")
     c.add_argument("--out", default="cost_curve.json")
+    d = sub.add_parser("data", help="build a draft training set (tokens, loss mask, target features)")
+    _add_target_args(d)
+    d.add_argument("--out", required=True, help="dataset folder (rerun the same command to resume)")
+    d.add_argument("--source", default="sharegpt", help="'sharegpt' (the installed package) or a JSONL "
+                   "file of {'conversations': [{from, value}]} or {'messages': [{role, content}]}")
+    d.add_argument("--max-records", type=int, default=1000)
+    d.add_argument("--max-len", type=int, default=512, help="tokens per conversation (truncated)")
+    d.add_argument("--shard-size", type=int, default=64)
+    d.add_argument("--regenerate", choices=("none", "greedy", "sample"), default="none",
+                   help="replace assistant turns with the target's own answers")
+    d.add_argument("--regen-max-tokens", type=int, default=256)
+    d.add_argument("--seed", type=int, default=0)
+
+    t = sub.add_parser("train", help="train an eagle2 or jakiro draft on a dataset from `jakiro data`")
+    _add_target_args(t)
+    t.add_argument("--data", required=True)
+    t.add_argument("--out", required=True)
+    t.add_argument("--method", choices=("eagle2", "jakiro"), default="jakiro")
+    t.add_argument("--experts", type=int, default=2, help="jakiro: number of experts N")
+    t.add_argument("--active", type=int, default=2, help="jakiro: activated experts K (>= 2)")
+    t.add_argument("--candidates", choices=("decoupled", "blended"), default="decoupled")
+    t.add_argument("--no-parallel", action="store_true", help="jakiro: no contrastive branch")
+    t.add_argument("--draft-vocab", type=int, default=8192, help="draft head vocabulary (0 = full)")
+    t.add_argument("--steps", type=int, default=1000)
+    t.add_argument("--batch-size", type=int, default=8, help="records per step (global)")
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=50)
+    t.add_argument("--eval-every", type=int, default=200)
+    t.add_argument("--checkpoint-every", type=int, default=100)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out")
     return parser
 
 
@@ -122,7 +155,37 @@ def cmd_bench_cost(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench-cost": cmd_bench_cost}
+def cmd_data(args) -> int:
+    from .train.dataset import DataConfig, build_dataset
+    for name in ("max_records", "max_len", "shard_size", "regen_max_tokens"):
+        if getattr(args, name) < 1:
+            raise JakiroError(f"--{name.replace('_', '-')} must be >= 1")
+    cfg = DataConfig(args.target, args.source, args.max_records, args.max_len, args.shard_size,
+                     args.regenerate, args.regen_max_tokens, args.seed)
+    state = build_dataset(args.out, cfg, args.cache_dir)
+    print(json.dumps({k: state[k] for k in ("records", "tokens", "loss_tokens", "records_done")}))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from .train.trainer import TrainConfig, Trainer
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every"):
+        if getattr(args, name) < 1:
+            raise JakiroError(f"--{name.replace('_', '-')} must be >= 1")
+    cfg = TrainConfig(data=args.data, out=args.out, method=args.method, num_experts=args.experts,
+                      experts_per_token=args.active, candidate_mode=args.candidates,
+                      parallel_decoding=not args.no_parallel, draft_vocab_size=args.draft_vocab or None,
+                      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      warmup=args.warmup, eval_every=args.eval_every,
+                      checkpoint_every=args.checkpoint_every, seed=args.seed)
+    trainer = Trainer(cfg, args.target, args.cache_dir, resume=args.resume, device=args.device)
+    result = trainer.run()
+    if trainer.rank == 0:
+        print(json.dumps(result))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

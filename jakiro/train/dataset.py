@@ -1,0 +1,239 @@
+"""Training sets for a target: tokenised conversations with an assistant-only loss mask and the
+target's final-norm features, cached in safetensors shards. Resumable: a shard is written
+atomically, then the state file records how many source records it covered."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import JakiroError
+from ..data.conversations import iter_conversations
+
+STATE_FILE = "state.json"
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], list[int]] | None:
+    """Token ids and a loss mask that is 1 on assistant content (and its end-of-turn token), 0 on
+    the template's headers and on user/system text."""
+    ids: list[int] = []
+    mask: list[int] = []
+    rendered = ""
+    for i, msg in enumerate(messages):
+        if msg["role"] == "assistant":
+            header = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
+            full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            pieces = [(header[len(rendered):], 0), (full[len(header):], 1)]
+        else:
+            full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            pieces = [(full[len(rendered):], 0)]
+        for text, label in pieces:
+            piece = tokenizer(text, add_special_tokens=False).input_ids
+            ids.extend(piece)
+            mask.extend([label] * len(piece))
+        rendered = full
+        if len(ids) >= max_len:
+            break
+    ids, mask = ids[:max_len], mask[:max_len]
+    return (ids, mask) if sum(mask) > 0 else None
+
+
+@dataclass
+class DataConfig:
+    target: str
+    source: str = "sharegpt"
+    max_records: int = 1000
+    max_len: int = 512
+    shard_size: int = 64
+    regenerate: str = "none"  # none | greedy | sample
+    regen_max_tokens: int = 256
+    seed: int = 0
+
+
+def _regenerate(engine, messages: list[dict], mode: str, max_tokens: int, seed: int) -> list[dict] | None:
+    """Replace every assistant turn by the target's own answer to the conversation so far."""
+    from ..decoding.sampling import SamplingParams
+    params = SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, top_p=0.95, seed=seed)
+    out: list[dict] = []
+    for msg in messages:
+        if msg["role"] != "assistant":
+            out.append(msg)
+            continue
+        ids = engine.encode(out)
+        if len(ids) + max_tokens > engine.target.config.max_context:
+            break
+        res = engine.generate(ids, max_tokens, params)
+        if not res.text.strip():
+            break
+        out.append({"role": "assistant", "content": res.text})
+    return out if any(m["role"] == "assistant" for m in out) else None
+
+
+def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[int], torch.Tensor]]) -> str:
+    from safetensors.torch import save_file
+    name = f"shard-{index:05d}.safetensors"
+    offsets = [0]
+    for ids, _, _ in records:
+        offsets.append(offsets[-1] + len(ids))
+    tensors = {
+        "input_ids": torch.tensor([t for ids, _, _ in records for t in ids], dtype=torch.int32),
+        "loss_mask": torch.tensor([m for _, mask, _ in records for m in mask], dtype=torch.uint8),
+        "features": torch.cat([f for _, _, f in records]).to(torch.float16),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+    }
+    tmp = os.path.join(folder, name + ".tmp")
+    save_file(tensors, tmp)
+    os.replace(tmp, os.path.join(folder, name))
+    return name
+
+
+def _read_state(folder: str) -> dict | None:
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progress: bool = True) -> dict:
+    """Build (or continue building) the dataset in ``out``; returns the state dict."""
+    from tqdm import tqdm
+
+    from ..api import load
+
+    jk = load(cfg.target, cache_dir=cache_dir)
+    target, tokenizer = jk.target, jk.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise JakiroError("the target's tokenizer has no chat template; cannot build chat training data")
+    os.makedirs(out, exist_ok=True)
+    identity = {"target_name": target.config.name, "hidden_size": target.config.hidden_size,
+                "vocab_size": target.config.vocab_size, "source": cfg.source, "max_len": cfg.max_len,
+                "regenerate": cfg.regenerate, "seed": cfg.seed}
+    state = _read_state(out)
+    if state is None:
+        if any(f.endswith(".safetensors") for f in os.listdir(out)):
+            raise JakiroError(f"{out} holds shards but no {STATE_FILE}: refusing to mix datasets")
+        state = {"identity": identity, "records_done": 0, "records": 0, "tokens": 0,
+                 "loss_tokens": 0, "shards": [], "token_counts": {}}
+    elif state["identity"] != identity:
+        raise JakiroError(f"{out} already holds a dataset built with different settings "
+                          f"({state['identity']}); use another --out")
+    engine = jk.engine("ar")
+    source = iter_conversations(cfg.source)
+    skipped = 0
+    for _ in range(state["records_done"]):  # resume: skip what the shards already cover
+        if next(source, StopIteration) is StopIteration:
+            break
+    consumed = state["records_done"]
+    pending: list = []
+    bar = tqdm(total=cfg.max_records, initial=state["records"], desc="records", unit="rec",
+               disable=not progress)
+    t0 = time.time()
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
+    while state["records"] + len(pending) < cfg.max_records:
+        messages = next(source, StopIteration)
+        if messages is StopIteration:
+            break
+        consumed += 1
+        if messages is None:
+            skipped += 1
+            continue
+        if cfg.regenerate != "none":
+            messages = _regenerate(engine, messages, cfg.regenerate, cfg.regen_max_tokens,
+                                   cfg.seed + consumed)
+            if messages is None:
+                continue
+        tok = tokenize_conversation(tokenizer, messages, cfg.max_len)
+        if tok is None:
+            continue
+        ids, mask = tok
+        with torch.inference_mode():
+            cache = target.new_cache(len(ids))
+            _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0))
+        pending.append((ids, mask, feats))
+        bar.update(1)
+        if len(pending) == cfg.shard_size or state["records"] + len(pending) >= cfg.max_records:
+            _flush(out, state, pending, consumed, counts)
+            pending = []
+    if pending:
+        _flush(out, state, pending, consumed, counts)
+    bar.close()
+    if state["records"] == 0:
+        raise JakiroError(f"no usable conversations in {cfg.source}")
+    state["seconds"] = state.get("seconds", 0) + time.time() - t0
+    _save_state(out, state)
+    return state
+
+
+def _flush(out, state, pending, consumed, counts) -> None:
+    name = _write_shard(out, len(state["shards"]), pending)
+    state["shards"].append(name)
+    state["records"] += len(pending)
+    state["records_done"] = consumed
+    for ids, mask, _ in pending:
+        state["tokens"] += len(ids)
+        state["loss_tokens"] += sum(mask)
+        counts += torch.bincount(torch.tensor(ids), minlength=counts.shape[0])
+    merged = {int(k): v for k, v in state["token_counts"].items()}
+    for tok in torch.nonzero(counts).flatten().tolist():
+        merged[tok] = merged.get(tok, 0) + int(counts[tok])
+    counts.zero_()
+    state["token_counts"] = {str(k): v for k, v in merged.items()}
+    _save_state(out, state)
+
+
+def _save_state(out: str, state: dict) -> None:
+    tmp = os.path.join(out, STATE_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f)
+    os.replace(tmp, os.path.join(out, STATE_FILE))
+
+
+class FeatureDataset:
+    """All records of a built dataset in memory: ids [N] int64, mask [N] bool, features [N, d]
+    (float32), and per-record offsets."""
+
+    def __init__(self, folder: str):
+        from safetensors.torch import load_file
+        state = _read_state(folder)
+        if state is None:
+            raise JakiroError(f"{folder} is not a jakiro dataset (no {STATE_FILE}); build one with `jakiro data`")
+        if not state["shards"]:
+            raise JakiroError(f"dataset {folder} is empty")
+        self.state = state
+        self.identity = state["identity"]
+        ids, masks, feats, offsets = [], [], [], [0]
+        for name in state["shards"]:
+            try:
+                shard = load_file(os.path.join(folder, name))
+            except Exception as exc:
+                raise JakiroError(f"cannot read dataset shard {name}: {exc}") from None
+            base = offsets[-1]
+            ids.append(shard["input_ids"].long())
+            masks.append(shard["loss_mask"].bool())
+            feats.append(shard["features"])
+            offsets.extend((shard["offsets"][1:] + base).tolist())
+        self.ids = torch.cat(ids)
+        self.mask = torch.cat(masks)
+        self.features = torch.cat(feats)  # float16; converted per batch
+        self.offsets = torch.tensor(offsets)
+        self.token_counts = {int(k): v for k, v in state["token_counts"].items()}
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    def record(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.ids[a:b], self.mask[a:b], self.features[a:b]
+
+    def frequent_tokens(self, n: int) -> torch.Tensor:
+        """The n most frequent token ids (ties by id); pads with the lowest unused ids."""
+        ranked = sorted(self.token_counts, key=lambda t: (-self.token_counts[t], t))[:n]
+        if len(ranked) < n:
+            seen = set(ranked)
+            ranked += [t for t in range(self.identity["vocab_size"]) if t not in seen][: n - len(ranked)]
+        return torch.tensor(ranked, dtype=torch.long)

@@ -1,0 +1,213 @@
+"""Training: losses on hand-computed cases, a step that learns, DDP equivalence, exact resume,
+dataset resume, and clear errors for bad input."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import make_tiny_target
+from jakiro.errors import JakiroError
+from jakiro.models.target import TargetModel
+from jakiro.train.dataset import STATE_FILE, _write_shard
+from jakiro.train.losses import branch_loss
+from jakiro.train.trainer import TrainConfig, Trainer
+
+
+def test_branch_loss_hand_computed():
+    pred = torch.tensor([[0.0, 2.0]])
+    target = torch.tensor([[0.5, 0.0]])
+    head = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    probs = torch.tensor([[0.25, 0.75]])
+    # SmoothL1: |0.5| < 1 -> 0.5 * 0.25 = 0.125; |2| >= 1 -> 2 - 0.5 = 1.5; mean = 0.8125
+    logits = torch.tensor([0.0, 2.0])
+    logp = logits - torch.logsumexp(logits, 0)
+    ce = -(0.25 * logp[0] + 0.75 * logp[1])
+    expected = 0.8125 + 0.1 * ce
+    got = branch_loss(pred, target, probs, head, torch.tensor([1.0]))
+    assert abs(float(got) - float(expected)) < 1e-6
+    assert float(branch_loss(pred, target, probs, head, torch.tensor([0.0]))) == 0.0
+
+
+def make_feature_dataset(folder: str, target_dir: str, n_records: int = 12, seed: int = 0) -> str:
+    """A dataset in `jakiro data` format from a tiny target's real features."""
+    target = TargetModel.from_folder(target_dir)
+    g = torch.Generator().manual_seed(seed)
+    records = []
+    counts = {}
+    for _ in range(n_records):
+        n = int(torch.randint(20, 40, (1,), generator=g))
+        ids = torch.randint(2, 256, (n,), generator=g)
+        with torch.inference_mode():
+            _, feats = target(ids, target.new_cache(n))
+        mask = [0] * 5 + [1] * (n - 5)
+        records.append((ids.tolist(), mask, feats))
+        for t in ids.tolist():
+            counts[str(t)] = counts.get(str(t), 0) + 1
+    os.makedirs(folder, exist_ok=True)
+    shards = [_write_shard(folder, 0, records[: n_records // 2]), _write_shard(folder, 1, records[n_records // 2:])]
+    state = {"identity": {"target_name": target.config.name, "hidden_size": 64, "vocab_size": 256,
+                          "source": "test", "max_len": 64, "regenerate": "none", "seed": 0},
+             "records_done": n_records, "records": n_records, "tokens": 0, "loss_tokens": 0,
+             "shards": shards, "token_counts": counts}
+    with open(os.path.join(folder, STATE_FILE), "w") as f:
+        json.dump(state, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_tiny_target(str(root / "target"), "llama")
+    data = make_feature_dataset(str(root / "data"), target)
+    return target, data
+
+
+def config(out, data, **kw):
+    base = dict(data=data, out=str(out), method="jakiro", num_experts=3, experts_per_token=2,
+                draft_vocab_size=64, steps=6, batch_size=4, seq_len=64, lr=3e-3, warmup=2,
+                eval_every=3, eval_records=2, eval_steps=2, checkpoint_every=2)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("method", ["eagle2", "jakiro"])
+def test_steps_change_weights_and_lower_loss_on_a_fixed_batch(tmp_path, tiny_setup, method):
+    target, data = tiny_setup
+    trainer = Trainer(config(tmp_path / "run", data, method=method, warmup=1), target, progress=False)
+    before = weights(trainer)
+    batch = trainer.batch_indices(0)
+    losses = []
+    for _ in range(8):
+        trainer.step = 0  # same lr, same noise, same batch every time
+        losses.append(trainer.train_step(batch)["loss"])
+    after = weights(trainer)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert losses[-1] < losses[0] * 0.9
+
+
+def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_setup):
+    target, data = tiny_setup
+    straight = Trainer(config(tmp_path / "a", data), target, progress=False)
+    straight.run()
+    interrupted = Trainer(config(tmp_path / "b", data), target, progress=False)
+    interrupted.run(stop_after=3)  # checkpoint at step 2 and at the stop (step 3)
+    del interrupted
+    resumed = Trainer(config(tmp_path / "b", data), target, resume=True, progress=False)
+    assert resumed.step == 3
+    resumed.run()
+    for k, v in weights(straight).items():
+        torch.testing.assert_close(weights(resumed)[k], v, atol=1e-6, rtol=1e-6)
+    log = json.load(open(tmp_path / "b" / "train_log.json"))
+    assert len(log["heldout_top1_per_step"]) == 2
+    assert os.path.exists(tmp_path / "b" / "train_plot.png")
+    from jakiro.draft import load_draft
+    draft = load_draft(str(tmp_path / "b"), TargetModel.from_folder(target))
+    assert draft.config.method == "jakiro" and draft.config.draft_vocab_size == 64
+
+
+def _ddp_worker(rank, world, port, target, data, out, result_file):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    trainer = Trainer(config(out, data, steps=3), target, progress=False, device="cpu")
+    trainer.run()
+    torch.save(weights(trainer), f"{result_file}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_two_process_gloo_matches_single_process(tmp_path, tiny_setup):
+    import torch.multiprocessing as mp
+    target, data = tiny_setup
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = str(tmp_path / "w")
+    mp.spawn(_ddp_worker, args=(2, port, target, data, str(tmp_path / "ddp"), result), nprocs=2)
+    w0, w1 = torch.load(result + ".0"), torch.load(result + ".1")
+    single = Trainer(config(tmp_path / "single", data, steps=3), target, progress=False)
+    single.run()
+    ref = weights(single)
+    for k in ref:
+        assert torch.equal(w0[k], w1[k]), k
+        torch.testing.assert_close(w0[k], ref[k], atol=1e-5, rtol=1e-4)
+
+
+def test_output_folder_with_a_different_run_is_refused(tmp_path, tiny_setup):
+    target, data = tiny_setup
+    Trainer(config(tmp_path / "run", data), target, progress=False).run(stop_after=1)
+    with pytest.raises(JakiroError, match="already holds a different run"):
+        Trainer(config(tmp_path / "run", data, lr=1e-4), target, progress=False)
+    with pytest.raises(JakiroError, match="pass --resume"):
+        Trainer(config(tmp_path / "run", data), target, progress=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(JakiroError, match="not empty and holds no jakiro run"):
+        Trainer(config(tmp_path / "other", data), target, progress=False)
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
+
+
+def test_resume_with_another_target_is_refused(tmp_path, tiny_setup):
+    target, data = tiny_setup
+    Trainer(config(tmp_path / "run", data), target, progress=False).run(stop_after=1)
+    other = make_tiny_target(str(tmp_path / "wide"), "llama", hidden_size=96)
+    with pytest.raises(JakiroError, match="was built for"):
+        Trainer(config(tmp_path / "run", data), other, resume=True, progress=False)
+
+
+def test_empty_and_malformed_datasets(tmp_path):
+    from jakiro.data.conversations import iter_conversations
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
+                   '{"messages": [oops\n')
+    with pytest.raises(JakiroError, match=r"bad.jsonl:2: invalid JSON"):
+        list(iter_conversations(str(bad)))
+    no_assistant = tmp_path / "na.jsonl"
+    no_assistant.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(JakiroError, match=r"na.jsonl:1: expected"):
+        list(iter_conversations(str(no_assistant)))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(JakiroError, match="not a jakiro dataset"):
+        from jakiro.train.dataset import FeatureDataset
+        FeatureDataset(str(empty))
+
+
+def test_truncated_json_array_is_parsed_object_by_object(tmp_path):
+    from jakiro.data.conversations import iter_json_array
+    path = tmp_path / "t.json"
+    path.write_text('[{"id": 1, "x": "a"}, {"id": 2, "x": "b, ]"},\n {"id": 3, "x": "trunc')
+    assert [o["id"] for o in iter_json_array(str(path), chunk_size=7)] == [1, 2]
+
+
+def test_data_build_resumes_without_duplicating_records(tmp_path):
+    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    src = tmp_path / "conv.jsonl"
+    with open(src, "w") as f:
+        for i in range(7):
+            f.write(json.dumps({"conversations": [
+                {"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
+                {"from": "gpt", "value": f"{i} plus {i} is {2 * i}."}]}) + "\n")
+        f.write(json.dumps({"conversations": [{"from": "gpt", "value": "starts with the assistant"}]}) + "\n")
+    fresh = build_dataset(str(tmp_path / "fresh"), DataConfig(None, str(src), max_records=6, shard_size=2),
+                          progress=False)
+    build_dataset(str(tmp_path / "resumed"), DataConfig(None, str(src), max_records=3, shard_size=2),
+                  progress=False)
+    resumed = build_dataset(str(tmp_path / "resumed"), DataConfig(None, str(src), max_records=6, shard_size=2),
+                            progress=False)
+    assert fresh["records"] == resumed["records"] == 6
+    a, b = FeatureDataset(str(tmp_path / "fresh")), FeatureDataset(str(tmp_path / "resumed"))
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.offsets, b.offsets)
+    torch.testing.assert_close(a.features, b.features)
+    texts = [a.ids[a.offsets[i]:a.offsets[i + 1]] for i in range(len(a))]
+    assert len({tuple(t.tolist()) for t in texts}) == 6  # no record twice
+    with pytest.raises(JakiroError, match="different settings"):
+        build_dataset(str(tmp_path / "resumed"), DataConfig(None, str(src), max_records=6, max_len=99),
+                      progress=False)
