@@ -68,3 +68,49 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + (i - 2) % 95) for i in ids if i > 1 or not skip_special_tokens)
+
+
+class TargetTreeProposer:
+    """A deterministic 'oracle' draft for tests: the target's own top-``width`` tokens at every
+    node, ``depth`` levels deep, optionally corrupted at some nodes so that verification also
+    rejects. Any deterministic proposal must leave the output distribution unchanged."""
+
+    name = "oracle"
+    needs_features = False
+
+    def __init__(self, target, depth: int = 2, width: int = 2, corrupt_every: int = 0):
+        self.target, self.depth, self.width, self.corrupt_every = target, depth, width, corrupt_every
+        self.max_tree_tokens = sum(width ** d for d in range(depth + 1))
+
+    def start(self, max_len):
+        pass
+
+    def observe(self, features, next_tokens):
+        pass
+
+    def propose(self, context):
+        from jakiro.decoding.tree import build_tree
+        target = self.target
+        cache = target.new_cache(len(context) + self.max_tree_tokens)
+        target(torch.tensor(context[:-1]), cache)
+        cache.commit(len(context) - 1)
+        tokens, parents, frontier = [context[-1]], [-1], [0]
+        with torch.inference_mode():
+            for _ in range(self.depth):
+                tree = build_tree(torch.tensor(tokens), torch.tensor(parents))
+                logits, _ = target(tree.tokens, cache, cache.length + tree.depths, tree.tree_mask)
+                new = []
+                for node in frontier:
+                    for rank, tok in enumerate(torch.topk(logits[node], self.width).indices.tolist()):
+                        if self.corrupt_every and (len(context) + len(tokens)) % self.corrupt_every == 0:
+                            tok = (tok + 1) % logits.shape[-1]
+                            if tok in [tokens[i] for i in range(len(tokens)) if parents[i] == node]:
+                                continue
+                        tokens.append(tok)
+                        parents.append(node)
+                        new.append(len(tokens) - 1)
+                frontier = new
+        return build_tree(torch.tensor(tokens), torch.tensor(parents))
+
+    def stats(self):
+        return {}
