@@ -1,0 +1,77 @@
+"""Draft checkpoints: round trip, and clear errors for a mismatched or corrupted draft."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from helpers import make_tiny_target
+from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
+from jakiro.errors import JakiroError
+from jakiro.models.target import TargetModel
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return TargetModel.from_folder(tiny_llama_dir)
+
+
+def saved(tmp_path, target, method="jakiro", **kw):
+    cfg = DraftConfig.for_target(target.config, target.hf_config, method, **kw)
+    model = DraftModel(cfg)
+    if cfg.draft_vocab_size:
+        model.set_draft_vocab(torch.arange(cfg.draft_vocab_size).flip(0))
+    save_draft(model, str(tmp_path))
+    return model, str(tmp_path)
+
+
+def test_round_trip_keeps_weights_and_vocab_map(tmp_path, target):
+    model, folder = saved(tmp_path, target, num_experts=4, experts_per_token=3, draft_vocab_size=40)
+    loaded = load_draft(folder, target)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v)
+    assert loaded.config.num_experts == 4 and loaded.config.experts_per_token == 3
+    assert loaded.d2t[:3].tolist() == [39, 38, 37]
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    assert cfg["num_hidden_layers"] == 1 and cfg["jakiro"]["method"] == "jakiro"
+    from safetensors.torch import load_file
+    assert not any("embed" in k or "lm_head" in k for k in load_file(os.path.join(folder, "model.safetensors")))
+
+
+def test_draft_for_another_target_is_refused(tmp_path, target):
+    _, folder = saved(tmp_path / "d", target)
+    wide = TargetModel.from_folder(make_tiny_target(str(tmp_path / "wide"), "llama", hidden_size=96))
+    with pytest.raises(JakiroError, match="draft does not match the target: hidden size 64 != target's 96"):
+        load_draft(folder, wide)
+
+
+def test_corrupted_weights_are_refused(tmp_path, target):
+    _, folder = saved(tmp_path, target)
+    path = os.path.join(folder, "model.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    with pytest.raises(JakiroError, match="corrupted draft weights"):
+        load_draft(folder, target)
+
+
+def test_missing_and_unexpected_weights_are_refused(tmp_path, target):
+    from safetensors.torch import load_file, save_file
+    _, folder = saved(tmp_path, target)
+    path = os.path.join(folder, "model.safetensors")
+    state = load_file(path)
+    state.pop("router.weight")
+    state["extra.weight"] = torch.zeros(2)
+    save_file(state, path)
+    with pytest.raises(JakiroError, match="missing router.weight; unexpected extra.weight"):
+        load_draft(folder, target)
+
+
+def test_bad_configs_are_refused(tmp_path, target):
+    with pytest.raises(JakiroError, match="at least 2 activated experts"):
+        DraftConfig.for_target(target.config, target.hf_config, "jakiro", experts_per_token=1)
+    with pytest.raises(JakiroError, match="num_experts .* must be >= experts_per_token"):
+        DraftConfig.for_target(target.config, target.hf_config, "jakiro", num_experts=2, experts_per_token=3)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(JakiroError, match="not a jakiro draft config"):
+        load_draft(str(tmp_path), target)
