@@ -96,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
+
+    b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
+    _add_target_args(b)
+    b.add_argument("--questions", required=True, help="question JSONL path, or 'mt-bench'")
+    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,jakiro-blended")
+    b.add_argument("--draft", action="append", default=[], metavar="NAME=PATH", help="draft per method")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--limit-per-category", type=int)
+    b.add_argument("--depth", type=int)
+    b.add_argument("--tree-top-k", type=int)
+    b.add_argument("--total-tokens", type=int)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="bench_out")
     return parser
 
 
@@ -185,7 +199,29 @@ def cmd_train(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train}
+def cmd_bench(args) -> int:
+    from .bench.runner import BenchConfig, run_bench
+    from .decoding.sampling import SamplingParams
+    SamplingParams(args.temperature)
+    drafts = {}
+    for item in args.draft:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise JakiroError(f"--draft expects NAME=PATH, got {item!r}")
+        drafts[name] = path
+    if args.threads is None:
+        import torch
+        torch.set_num_threads(1)  # benchmarks default to one thread: stable, comparable figures
+    cfg = BenchConfig(args.questions, [m.strip() for m in args.methods.split(",") if m.strip()], drafts,
+                      args.temperature, args.max_new_tokens, args.limit_per_category, args.out,
+                      args.target, args.cache_dir, args.depth, args.tree_top_k, args.total_tokens, args.seed)
+    from .bench.runner import markdown_table
+    summary = run_bench(cfg)
+    print(markdown_table(summary))
+    return 0
+
+
+COMMANDS = {"bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

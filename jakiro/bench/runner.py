@@ -1,0 +1,231 @@
+"""Spec-Bench-style benchmark runner: every method answers every question (multi-turn questions
+as conversations), methods interleaved per question so machine drift cancels; answers JSONL per
+method, summary.json, a Markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import JakiroError
+from ..data.questions import read_questions
+
+HF_METHODS = ("hf", "hf-pld")
+KNOWN = ("ar", "pld", "eagle2", "jakiro", "jakiro-blended") + HF_METHODS
+
+
+@dataclass
+class BenchConfig:
+    questions: str
+    methods: list[str]
+    drafts: dict[str, str] = field(default_factory=dict)
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    limit_per_category: int | None = None
+    out: str = "bench_out"
+    target: str | None = None
+    cache_dir: str | None = None
+    depth: int | None = None
+    tree_top_k: int | None = None
+    total_tokens: int | None = None
+    seed: int = 0
+    warmup: int = 1
+
+
+def select_questions(questions: list[dict], limit: int | None) -> list[dict]:
+    if not limit:
+        return questions
+    seen: dict[str, int] = {}
+    out = []
+    for q in questions:
+        if seen.get(q["category"], 0) < limit:
+            seen[q["category"]] = seen.get(q["category"], 0) + 1
+            out.append(q)
+    return out
+
+
+class _HFRunner:
+    """Hugging Face ``generate`` (plain or prompt lookup) on the same converted model."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def generate(self, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
+                 prompt_lookup: bool, eos_ids: set[int]) -> tuple[list[int], float]:
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                      eos_token_id=sorted(eos_ids) or None, pad_token_id=sorted(eos_ids)[0] if eos_ids else 0)
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+            torch.manual_seed(seed)
+        if prompt_lookup:
+            kwargs["prompt_lookup_num_tokens"] = 10
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([ids]), **kwargs)
+        return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from ..api import load
+
+    for m in cfg.methods:
+        if m not in KNOWN:
+            raise JakiroError(f"unknown method {m!r} (choose from {', '.join(KNOWN)})")
+    if "ar" not in cfg.methods:
+        cfg.methods = ["ar"] + list(cfg.methods)  # the speedup baseline
+    questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)
+    jk = load(cfg.target, cache_dir=cfg.cache_dir)
+    from ..decoding.proposers import TreeBudget
+    base = TreeBudget()
+    budget = TreeBudget(cfg.depth or base.depth, cfg.tree_top_k or base.top_k, cfg.total_tokens or base.total_tokens)
+    engines = {}
+    for m in cfg.methods:
+        if m in HF_METHODS:
+            continue
+        method = "jakiro" if m == "jakiro-blended" else m
+        draft = cfg.drafts.get(m) or cfg.drafts.get(method)
+        engines[m] = jk.add_method(method, draft, budget, "blended" if m == "jakiro-blended" else None)
+    hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
+    eos = engines["ar"].eos_ids
+    os.makedirs(cfg.out, exist_ok=True)
+    from ..decoding.sampling import SamplingParams
+
+    def answer(m: str, messages: list[dict], seed: int) -> dict:
+        ids = engines["ar"].encode(messages)
+        if m in HF_METHODS:
+            toks, secs = hf.generate(ids, cfg.max_new_tokens, cfg.temperature, seed, m == "hf-pld", eos)
+            text = jk.tokenizer.decode(toks, skip_special_tokens=True)
+            return {"text": text, "token_ids": toks, "new_tokens": len(toks), "total_s": secs}
+        res = engines[m].generate(ids, cfg.max_new_tokens, SamplingParams(cfg.temperature, seed=seed))
+        d = res.metrics.as_dict()
+        d.update(text=res.text, token_ids=res.token_ids, committed=res.metrics.committed,
+                 depth_tried=res.metrics.depth_tried, depth_accepted=res.metrics.depth_accepted)
+        return d
+
+    # warm-up: one short answer per method, not recorded
+    for m in cfg.methods:
+        for _ in range(cfg.warmup):
+            answer(m, [{"role": "user", "content": "Say hello."}], 0)
+    records: dict[str, list[dict]] = {m: [] for m in cfg.methods}
+    bar = tqdm(total=len(questions) * len(cfg.methods), desc="bench", disable=not progress)
+    for qi, q in enumerate(questions):
+        histories = {m: [] for m in cfg.methods}
+        turns_out = {m: [] for m in cfg.methods}
+        for turn_i, turn in enumerate(q["turns"]):
+            for m in cfg.methods:  # interleaved per turn
+                messages = histories[m] + [{"role": "user", "content": turn}]
+                rec = answer(m, messages, cfg.seed + 1000 * qi + turn_i)
+                histories[m] = messages + [{"role": "assistant", "content": rec["text"]}]
+                turns_out[m].append(rec)
+        for m in cfg.methods:
+            records[m].append({"question_id": q["question_id"], "category": q["category"], "turns": turns_out[m]})
+            bar.update(1)
+    bar.close()
+    for m, rows in records.items():
+        with open(os.path.join(cfg.out, f"answers_{m}.jsonl"), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    summary = summarize(records, cfg)
+    with open(os.path.join(cfg.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(cfg.out, "summary.md"), "w") as f:
+        f.write(markdown_table(summary))
+    plot_summary(summary, cfg.out)
+    return summary
+
+
+def _aggregate(turns: list[dict]) -> dict:
+    tokens = sum(t["new_tokens"] for t in turns)
+    secs = sum(t["total_s"] for t in turns)
+    out = {"answers": len(turns), "new_tokens": tokens, "seconds": secs,
+           "tokens_per_s": tokens / secs if secs else 0.0}
+    if "committed" in turns[0]:
+        forwards = sum(t["target_forwards"] for t in turns)
+        out["tau"] = sum(t["committed"] for t in turns) / forwards if forwards else 0.0
+        out["target_forwards"] = forwards
+        depth = max(len(t["depth_tried"]) for t in turns)
+        tried = [sum(t["depth_tried"][d] for t in turns if d < len(t["depth_tried"])) for d in range(depth)]
+        acc = [sum(t["depth_accepted"][d] for t in turns if d < len(t["depth_accepted"])) for d in range(depth)]
+        out["accept_rate_per_depth"] = [a / n if n else 0.0 for a, n in zip(acc, tried)]
+        out["draft_s"] = sum(t["draft_s"] for t in turns)
+        out["target_s"] = sum(t["target_s"] for t in turns)
+        out["draft_fraction"] = out["draft_s"] / max(1e-9, out["draft_s"] + out["target_s"])
+    else:
+        out["tau"] = None
+    return out
+
+
+def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
+    categories = sorted({r["category"] for r in records["ar"]})
+    ar_turns = {(r["question_id"], i): t for r in records["ar"] for i, t in enumerate(r["turns"])}
+    result = {"config": {k: v for k, v in cfg.__dict__.items()}, "threads": torch.get_num_threads(),
+              "methods": {}}
+    for m, rows in records.items():
+        per_cat = {}
+        for cat in categories + ["all"]:
+            sel = [r for r in rows if cat == "all" or r["category"] == cat]
+            turns = [t for r in sel for t in r["turns"]]
+            agg = _aggregate(turns)
+            if cfg.temperature == 0:
+                same = [t["token_ids"] == ar_turns[(r["question_id"], i)]["token_ids"]
+                        for r in sel for i, t in enumerate(r["turns"])]
+                agg["greedy_match"] = sum(same) / len(same)
+            per_cat[cat] = agg
+        result["methods"][m] = per_cat
+    for m, per_cat in result["methods"].items():
+        for cat, agg in per_cat.items():
+            base = result["methods"]["ar"][cat]["tokens_per_s"]
+            agg["speedup"] = agg["tokens_per_s"] / base if base else 0.0
+    return result
+
+
+def markdown_table(summary: dict) -> str:
+    methods = list(summary["methods"])
+    cats = list(summary["methods"]["ar"])
+    lines = ["| method | category | tokens/s | speedup | tau | greedy match |", "|---|---|---|---|---|---|"]
+    for m in methods:
+        for c in cats:
+            a = summary["methods"][m][c]
+            tau = f"{a['tau']:.2f}" if a.get("tau") is not None else "-"
+            gm = f"{a['greedy_match']:.2f}" if "greedy_match" in a else "-"
+            lines.append(f"| {m} | {c} | {a['tokens_per_s']:.1f} | {a['speedup']:.2f}x | {tau} | {gm} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_summary(summary: dict, out: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    methods = list(summary["methods"])
+    cats = list(summary["methods"]["ar"])
+    for key, fname in (("speedup", "speedup.png"), ("tau", "tau.png")):
+        fig, ax = plt.subplots(figsize=(max(6, len(cats) * 1.2), 4))
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            vals = [summary["methods"][m][c].get(key) or 0 for c in cats]
+            ax.bar([j + i * width for j in range(len(cats))], vals, width, label=m)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=30, ha="right")
+        ax.set_ylabel(key)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, fname), dpi=100)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in methods:
+        rates = summary["methods"][m]["all"].get("accept_rate_per_depth")
+        if rates and m != "ar":
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=m)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("acceptance rate")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "acceptance.png"), dpi=100)
+    plt.close(fig)
