@@ -101,11 +101,20 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
         method = read_draft_config(draft).method
     method = method or "ar"
     defaults = TreeBudget()
+    tuned = None
+    if method in DRAFT_METHODS and depth is None and top_k is None and total_tokens is None:
+        from .bench.tune import tuned_budget
+        tuned = tuned_budget(draft or shipped_draft(method), cache_dir)
+        if tuned:
+            depth, top_k, total_tokens = tuned["depth"], tuned["top_k"], tuned["total_tokens"]
     try:
         budget = TreeBudget(depth or defaults.depth, top_k or defaults.top_k,
                             total_tokens or defaults.total_tokens)
     except ValueError as exc:
         raise JakiroError(str(exc)) from None
-    jk.add_method(method, draft, budget, candidate_mode, parallel_decoding)
+    engine = jk.add_method(method, draft, budget, candidate_mode, parallel_decoding)
+    if tuned and tuned.get("draft_vocab"):
+        engine.proposer.head_vocab = tuned["draft_vocab"]
+    engine.tuned = tuned is not None
     jk.default_method = method
     return jk

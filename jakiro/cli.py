@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--total-tokens", type=int)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_out")
+
+    u = sub.add_parser("tune", help="pick the fastest tree budget for a draft on this machine")
+    _add_target_args(u)
+    u.add_argument("--draft", help="draft folder (default: the shipped jakiro draft)")
+    u.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")
     return parser
 
 
@@ -140,7 +145,9 @@ def cmd_generate(args) -> int:
     if hasattr(engine.proposer, "budget"):
         b = engine.proposer.budget
         out["tree"] = {"depth": b.depth, "top_k": b.top_k, "total_tokens": b.total_tokens,
-                       "candidate_mode": engine.proposer.mode, "parallel_decoding": engine.proposer.parallel}
+                       "candidate_mode": engine.proposer.mode, "parallel_decoding": engine.proposer.parallel,
+                       "draft_vocab": engine.proposer.head_vocab or engine.proposer.draft.config.draft_vocab_size,
+                       "tuned": getattr(engine, "tuned", False)}
     if args.compare and result.method != "ar":
         base = jk.engine("ar").generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
         out["ar_tokens_per_s"] = base.metrics.tokens_per_s
@@ -221,7 +228,19 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train}
+def cmd_tune(args) -> int:
+    from .api import shipped_draft
+    from .bench.tune import run_tune
+    draft = args.draft or shipped_draft("jakiro")
+    if draft is None:
+        raise JakiroError("no draft to tune: pass --draft PATH")
+    result = run_tune(draft, args.target, args.cache_dir, args.max_new_tokens)
+    print(json.dumps({k: result[k] for k in ("best", "ar_tokens_per_s", "forward_ms", "saved_to", "threads")},
+                     indent=2))
+    return 0
+
+
+COMMANDS = {"tune": cmd_tune, "bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,3 +55,15 @@ def test_unreadable_gguf(tmp_path):
     res = run_cli("generate", "--prompt", "hi", "--target", str(bad), "--cache-dir", str(tmp_path / "c"))
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert "cannot load GGUF file" in res.stderr
+
+
+
+def test_generate_with_shipped_jakiro_draft_reports_tree_tau_and_speedup():
+    res = run_cli("generate", "--prompt", "Name three primary colors.", "--method", "jakiro", "--json",
+                  "--compare", "--max-new-tokens", "24", "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["method"] == "jakiro" and out["same_as_ar"] is True
+    assert out["tau"] >= 1.0 and out["target_forwards"] >= 1 and out["speedup"] > 0
+    assert set(out["tree"]) >= {"depth", "top_k", "total_tokens", "candidate_mode", "draft_vocab", "tuned"}
+    assert len(out["accept_rate_per_depth"]) >= 1

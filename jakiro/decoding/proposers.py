@@ -91,6 +91,7 @@ class DraftProposer(Proposer):
         if self.parallel and budget.depth < 2:
             self.parallel = False  # the contrastive layer needs a layer above it
         self.max_tree_tokens = budget.total_tokens + 1
+        self.head_vocab: int | None = None  # use only the most frequent entries of a reduced head
         self.cache = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_forwards = 0
@@ -117,7 +118,7 @@ class DraftProposer(Proposer):
             n_exp = feats.shape[1]
             quotas = [k // n_exp + (1 if j < k % n_exp else 0) for j in range(n_exp)]
             active = [j for j in range(n_exp) if quotas[j] > 0]
-            logp = draft.head_logits(feats[:, active]).log_softmax(-1)  # [F, A, Vd]
+            logp = draft.head_logits(feats[:, active], self.head_vocab).log_softmax(-1)  # [F, A, Vd]
             toks, lps, carried = [], [], []
             for a, j in enumerate(active):
                 lp = logp[:, a]
@@ -130,12 +131,13 @@ class DraftProposer(Proposer):
             ids, lp, feat = torch.cat(toks, 1), torch.cat(lps, 1), torch.cat(carried, 1)
         else:
             f = out.blend[0, rows]  # [F, d]
-            top = torch.topk(draft.head_logits(f).log_softmax(-1), k, dim=-1)
+            top = torch.topk(draft.head_logits(f, self.head_vocab).log_softmax(-1), k, dim=-1)
             ids, lp, feat = top.indices, top.values, f.unsqueeze(1).expand(-1, k, -1)
         return draft.to_target_ids(ids), lp, feat
 
     def _contrastive_children(self, out, rows: torch.Tensor, k: int):
-        top = torch.topk(self.draft.head_logits(out.contrastive[0, rows]).log_softmax(-1), k, dim=-1)
+        top = torch.topk(self.draft.head_logits(out.contrastive[0, rows], self.head_vocab).log_softmax(-1),
+                         k, dim=-1)
         return self.draft.to_target_ids(top.indices), top.values
 
     # ------------------------------------------------------------------ tree

@@ -58,7 +58,7 @@ class DraftModel(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embed: torch.Tensor | None = None  # target's, frozen, attached by attach_target
         self.head_weight: torch.Tensor | None = None  # [head_vocab, d]
-        self._head_fast: FastLinear | None = None
+        self._head_fast: dict[int | None, FastLinear] = {}
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -79,7 +79,7 @@ class DraftModel(nn.Module):
         if self.config.draft_vocab_size is not None:
             head = head[self.d2t].contiguous()
         self.head_weight = head
-        self._head_fast = None
+        self._head_fast = {}
         return self
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
@@ -88,14 +88,16 @@ class DraftModel(nn.Module):
             raise ValueError(f"expected {self.config.draft_vocab_size} ids, got {token_ids.numel()}")
         self.d2t.copy_(token_ids.to(torch.long))
 
-    def head_logits(self, features: torch.Tensor) -> torch.Tensor:
-        """[..., d] -> [..., head_vocab] logits over the draft vocabulary."""
+    def head_logits(self, features: torch.Tensor, limit: int | None = None) -> torch.Tensor:
+        """[..., d] -> [..., head_vocab] logits over the draft vocabulary, or over its first
+        ``limit`` (most frequent) entries when a reduced vocabulary is in use."""
         if self.training or torch.is_grad_enabled():
-            return F.linear(features, self.head_weight)
-        if self._head_fast is None:
-            self._head_fast = FastLinear(self.head_weight)
+            return F.linear(features, self.head_weight[:limit])
+        fast = self._head_fast.get(limit)
+        if fast is None:
+            fast = self._head_fast[limit] = FastLinear(self.head_weight[:limit].contiguous())
         flat = features.reshape(-1, features.shape[-1])
-        return self._head_fast(flat).view(*features.shape[:-1], -1)
+        return fast(flat).view(*features.shape[:-1], -1)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.config.draft_vocab_size is None else self.d2t[draft_ids]

@@ -1,0 +1,108 @@
+"""Tree-budget tuning: measure tokens/s of a draft on a small calibration set for a grid of
+trees (and reduced draft vocabularies) on this machine, keep the fastest, and save the choice so
+that later runs use it by default."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import torch
+
+from ..errors import JakiroError
+from ..models.hub import cache_dir
+
+CHAINS = [(d, 1, d) for d in (2, 3, 4, 5, 6)]
+TREES = [(d, k, n) for d in (3, 4, 5) for k in (2, 4) for n in (6, 8, 12, 16)]
+CALIBRATION = [
+    "Explain how vaccines train the immune system.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Give three tips for writing clean Python code, with an example for each.",
+]
+
+
+def tuning_path(draft: str, cache: str | None = None) -> str:
+    """One saved choice per draft checkpoint (its path and weights' modification time)."""
+    draft = os.path.abspath(draft)
+    weights = os.path.join(draft, "model.safetensors")
+    stamp = f"{draft}:{os.path.getmtime(weights) if os.path.exists(weights) else 0}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
+    return os.path.join(cache_dir(cache), "tuning", f"{key}.json")
+
+
+def load_tuning(draft: str, cache: str | None = None) -> dict | None:
+    path = tuning_path(draft, cache)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _measure(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, float]:
+    tokens = secs = committed = forwards = 0
+    for ids in prompts:
+        res = engine.generate(ids, max_new_tokens)
+        tokens += res.metrics.new_tokens
+        secs += res.metrics.total_s
+        committed += res.metrics.committed
+        forwards += res.metrics.target_forwards
+    return tokens / secs, committed / max(1, forwards)
+
+
+def run_tune(draft: str, target: str | None = None, cache: str | None = None,
+             max_new_tokens: int = 48, prompts: list[str] | None = None, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from ..api import load
+    from ..bench.cost_curve import forward_costs
+    from ..decoding.proposers import DraftProposer, TreeBudget
+    from ..draft.checkpoint import read_draft_config
+
+    method = read_draft_config(draft).method
+    jk = load(target, draft, method, cache_dir=cache, depth=4, top_k=4, total_tokens=8)
+    base = jk.engine(method)
+    prompts_ids = [base.encode(p) for p in (prompts or CALIBRATION)]
+    costs = forward_costs(jk.target, 256, repeats=5, sizes=(1, 2, 4, 8, 16, 32))
+    ar_tps, _ = _measure(jk.engine("ar"), prompts_ids, max_new_tokens)
+    model = base.proposer.draft
+    grid = []
+    for depth, top_k, total in tqdm(CHAINS + TREES, desc="trees", disable=not progress):
+        engine = jk.add_method(method, draft, TreeBudget(depth, top_k, total))
+        engine.proposer.draft = model  # share one loaded draft
+        tps, tau = _measure(engine, prompts_ids, max_new_tokens)
+        grid.append({"depth": depth, "top_k": top_k, "total_tokens": total, "tokens_per_s": tps, "tau": tau})
+    best = max(grid, key=lambda r: r["tokens_per_s"])
+    best = dict(best, draft_vocab=model.config.draft_vocab_size)
+    vocab = model.config.draft_vocab_size
+    if vocab:
+        for size in (vocab // 4, vocab // 2):
+            engine = jk.add_method(method, draft, TreeBudget(best["depth"], best["top_k"], best["total_tokens"]))
+            engine.proposer.draft = model
+            engine.proposer.head_vocab = size
+            tps, tau = _measure(engine, prompts_ids, max_new_tokens)
+            grid.append({"depth": best["depth"], "top_k": best["top_k"], "total_tokens": best["total_tokens"],
+                         "draft_vocab": size, "tokens_per_s": tps, "tau": tau})
+            if tps > best["tokens_per_s"]:
+                best = dict(grid[-1])
+    result = {"draft": os.path.abspath(draft), "method": method, "threads": torch.get_num_threads(),
+              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "ar_tokens_per_s": ar_tps,
+              "forward_ms": {str(k): v for k, v in costs.items()}, "best": best, "grid": grid}
+    path = tuning_path(draft, cache)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    result["saved_to"] = path
+    return result
+
+
+def tuned_budget(draft: str | None, cache: str | None = None) -> dict | None:
+    """The saved choice for this draft and thread count, if ``jakiro tune`` was run."""
+    if draft is None or not os.path.isdir(draft):
+        return None
+    try:
+        tuning = load_tuning(draft, cache)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise JakiroError(f"unreadable tuning file for {draft}: {exc}") from None
+    return tuning["best"] if tuning else None

@@ -1,0 +1,97 @@
+"""The benchmark runner and tuner on a tiny model (behaviour, not timing)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from helpers import make_tiny_target
+from jakiro.errors import JakiroError
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_target(tmp_path_factory, smol):
+    """A tiny random Llama that uses SmolLM2's tokenizer and chat template."""
+    folder = str(tmp_path_factory.mktemp("tiny_chat"))
+    make_tiny_target(folder, "llama", vocab_size=49152, eos_token_id=2, bos_token_id=1)
+    for name in os.listdir(smol.target_path):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(os.path.join(smol.target_path, name), folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory, tiny_chat_target):
+    from jakiro.draft import DraftConfig, DraftModel, save_draft
+    from jakiro.models.target import TargetModel
+    target = TargetModel.from_folder(tiny_chat_target)
+    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", draft_vocab_size=256)
+    folder = str(tmp_path_factory.mktemp("tiny_draft"))
+    torch.manual_seed(0)
+    save_draft(DraftModel(cfg), folder)
+    return folder
+
+
+def write_questions(path):
+    rows = [{"question_id": 1, "category": "writing", "turns": ["Write a line about rain.", "Now shorter."]},
+            {"question_id": 2, "category": "math", "turns": ["What is 3 + 4?"]},
+            {"question_id": 3, "category": "math", "turns": ["What is 10 / 2?"]}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_bench_summary_is_consistent_and_plots_are_written(tmp_path, tiny_chat_target, tiny_draft):
+    from jakiro.bench.runner import BenchConfig, run_bench
+    cfg = BenchConfig(write_questions(tmp_path / "q.jsonl"), ["ar", "hf", "pld", "hf-pld", "jakiro"],
+                      {"jakiro": tiny_draft}, max_new_tokens=12, out=str(tmp_path / "out"),
+                      target=tiny_chat_target, warmup=0)
+    summary = run_bench(cfg, progress=False)
+    methods = summary["methods"]
+    assert set(methods) == {"ar", "hf", "pld", "hf-pld", "jakiro"}
+    for m, per_cat in methods.items():
+        assert set(per_cat) == {"math", "writing", "all"}
+        assert per_cat["all"]["answers"] == 4  # three questions, one with two turns
+        assert per_cat["math"]["answers"] + per_cat["writing"]["answers"] == 4
+        assert per_cat["all"]["new_tokens"] == per_cat["math"]["new_tokens"] + per_cat["writing"]["new_tokens"]
+        assert per_cat["all"]["greedy_match"] == 1.0, m
+    assert methods["ar"]["all"]["speedup"] == 1.0
+    for m in ("ar", "pld", "jakiro"):
+        assert methods[m]["all"]["tau"] >= 1.0
+    assert methods["ar"]["all"]["tau"] == 1.0
+    assert len(methods["jakiro"]["all"]["accept_rate_per_depth"]) >= 1
+    for name in ("summary.json", "summary.md", "speedup.png", "tau.png", "acceptance.png",
+                 "answers_ar.jsonl", "answers_jakiro.jsonl"):
+        assert os.path.getsize(tmp_path / "out" / name) > 0
+    lines = open(tmp_path / "out" / "answers_jakiro.jsonl").read().splitlines()
+    assert len(lines) == 3 and len(json.loads(lines[0])["turns"]) == 2
+
+
+def test_malformed_question_file_names_the_line(tmp_path):
+    from jakiro.data.questions import read_questions
+    bad = tmp_path / "q.jsonl"
+    bad.write_text('{"question_id": 1, "category": "a", "turns": ["hi"]}\n{"question_id": 2, "turns": "hi"}\n')
+    with pytest.raises(JakiroError, match=r"q.jsonl:2: expected an object with a non-empty 'turns'"):
+        read_questions(str(bad))
+    bad.write_text('{"question_id": 1, "turns": ["hi"]}\n\n{not json\n')
+    with pytest.raises(JakiroError, match=r"q.jsonl:3: invalid JSON"):
+        read_questions(str(bad))
+
+
+def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_draft, monkeypatch):
+    import jakiro
+    from jakiro.bench import tune
+    monkeypatch.setattr(tune, "CHAINS", [(2, 1, 2)])
+    monkeypatch.setattr(tune, "TREES", [(3, 2, 6)])
+    result = tune.run_tune(tiny_draft, tiny_chat_target, str(tmp_path / "cache"), max_new_tokens=8,
+                           prompts=["Hello there."], progress=False)
+    best = result["best"]
+    assert len(result["grid"]) == 4  # two trees, then two reduced vocabularies for the best one
+    assert os.path.exists(result["saved_to"])
+    jk = jakiro.load(tiny_chat_target, tiny_draft, cache_dir=str(tmp_path / "cache"))
+    budget = jk.engine().proposer.budget
+    assert (budget.depth, budget.top_k, budget.total_tokens) == (best["depth"], best["top_k"], best["total_tokens"])
+    assert jk.engine().tuned is True
+    explicit = jakiro.load(tiny_chat_target, tiny_draft, depth=5, cache_dir=str(tmp_path / "cache"))
+    assert explicit.engine().proposer.budget.depth == 5 and explicit.engine().tuned is False
