@@ -27,8 +27,10 @@ class FastLinear:
 
     __slots__ = ("weight", "weight_t", "packed", "bias")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight  # [out, in], kept for callers that need the plain matrix
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
+        # the plain [out, in] matrix is kept only where a caller needs it (the LM head, which
+        # drafts reuse), so a layer costs two copies of its weight, not three
+        self.weight = weight if keep_weight else None
         self.weight_t = weight.t().contiguous()  # [in, out]
         self.packed = _pack(weight)
         self.bias = None if bias is None else bias.contiguous()

@@ -158,7 +158,7 @@ class TargetModel:
         else:
             used.add("lm_head.weight")
             head = self.embed
-        self.lm_head = FastLinear(head)
+        self.lm_head = FastLinear(head, keep_weight=True)
         unexpected = [k for k in state if k not in used and "rotary_emb" not in k]
         if unexpected:
             raise JakiroError(f"unexpected weights in target checkpoint: {', '.join(unexpected[:5])}"

@@ -305,7 +305,7 @@ class Trainer:
         cfg = self.cfg
         acc = next((r["eval_acc"] for r in reversed(self.log) if "eval_acc" in r), None) or self.evaluate()
         save_draft(self.model, cfg.out, {"training": {
-            "steps": self.step, "target_name": self.target_name, "data": os.path.abspath(cfg.data),
+            "steps": self.step, "target_name": self.target_name, "data": cfg.data,
             "records": len(self.train_idx), "heldout_records": len(self.eval_idx),
             "heldout_top1_per_step": acc}})
         with open(os.path.join(cfg.out, "train_log.json"), "w") as f:
