@@ -39,15 +39,19 @@ class Jakiro:
 
     def add_method(self, method: str, draft: str | None = None, budget: TreeBudget | None = None,
                    candidate_mode: str | None = None, parallel_decoding: bool | None = None,
-                   pld_tokens: int = 6) -> Engine:
+                   pld_tokens: int = 6, cache_dir: str | None = None) -> Engine:
+        """Set up ``method``. Without an explicit ``budget`` a draft uses the tree saved by
+        ``jakiro tune`` for it, else the default tree."""
         if method not in METHODS:
             raise JakiroError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
         proposer: Proposer
+        tuned = None
         if method == "ar":
             proposer = Proposer()
         elif method == "pld":
             proposer = PromptLookupProposer(num_tokens=pld_tokens)
         else:
+            from .bench.tune import tuned_budget
             from .draft import load_draft
             draft = draft or shipped_draft(method)
             if draft is None:
@@ -55,11 +59,17 @@ class Jakiro:
             model = load_draft(draft, self.target)
             if model.config.method != method:
                 raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
+            if budget is None:
+                tuned = tuned_budget(draft, cache_dir)
+                budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
             try:
-                proposer = DraftProposer(model, budget or TreeBudget(), candidate_mode, parallel_decoding)
+                proposer = DraftProposer(model, budget, candidate_mode, parallel_decoding)
             except ValueError as exc:
                 raise JakiroError(str(exc)) from None
+            if tuned and tuned.get("draft_vocab"):
+                proposer.head_vocab = tuned["draft_vocab"]
         engine = Engine(self.target, self.tokenizer, proposer)
+        engine.tuned = tuned is not None
         self.engines[method] = engine
         return engine
 
@@ -100,21 +110,14 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
         from .draft.checkpoint import read_draft_config
         method = read_draft_config(draft).method
     method = method or "ar"
-    defaults = TreeBudget()
-    tuned = None
-    if method in DRAFT_METHODS and depth is None and top_k is None and total_tokens is None:
-        from .bench.tune import tuned_budget
-        tuned = tuned_budget(draft or shipped_draft(method), cache_dir)
-        if tuned:
-            depth, top_k, total_tokens = tuned["depth"], tuned["top_k"], tuned["total_tokens"]
-    try:
-        budget = TreeBudget(depth or defaults.depth, top_k or defaults.top_k,
-                            total_tokens or defaults.total_tokens)
-    except ValueError as exc:
-        raise JakiroError(str(exc)) from None
-    engine = jk.add_method(method, draft, budget, candidate_mode, parallel_decoding)
-    if tuned and tuned.get("draft_vocab"):
-        engine.proposer.head_vocab = tuned["draft_vocab"]
-    engine.tuned = tuned is not None
+    budget = None
+    if any(v is not None for v in (depth, top_k, total_tokens)):
+        defaults = TreeBudget()
+        try:
+            budget = TreeBudget(depth or defaults.depth, top_k or defaults.top_k,
+                                total_tokens or defaults.total_tokens)
+        except ValueError as exc:
+            raise JakiroError(str(exc)) from None
+    jk.add_method(method, draft, budget, candidate_mode, parallel_decoding, cache_dir=cache_dir)
     jk.default_method = method
     return jk

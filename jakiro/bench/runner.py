@@ -84,15 +84,19 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)
     jk = load(cfg.target, cache_dir=cfg.cache_dir)
     from ..decoding.proposers import TreeBudget
-    base = TreeBudget()
-    budget = TreeBudget(cfg.depth or base.depth, cfg.tree_top_k or base.top_k, cfg.total_tokens or base.total_tokens)
+    budget = None  # the draft's tuned tree (`jakiro tune`) or the default one
+    if any(v is not None for v in (cfg.depth, cfg.tree_top_k, cfg.total_tokens)):
+        base = TreeBudget()
+        budget = TreeBudget(cfg.depth or base.depth, cfg.tree_top_k or base.top_k,
+                            cfg.total_tokens or base.total_tokens)
     engines = {}
     for m in cfg.methods:
         if m in HF_METHODS:
             continue
         method = "jakiro" if m == "jakiro-blended" else m
         draft = cfg.drafts.get(m) or cfg.drafts.get(method)
-        engines[m] = jk.add_method(method, draft, budget, "blended" if m == "jakiro-blended" else None)
+        engines[m] = jk.add_method(method, draft, budget, "blended" if m == "jakiro-blended" else None,
+                                   cache_dir=cfg.cache_dir)
     hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
     eos = engines["ar"].eos_ids
     os.makedirs(cfg.out, exist_ok=True)

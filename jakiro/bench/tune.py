@@ -61,7 +61,7 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     from ..draft.checkpoint import read_draft_config
 
     method = read_draft_config(draft).method
-    jk = load(target, draft, method, cache_dir=cache, depth=4, top_k=4, total_tokens=8)
+    jk = load(target, draft, method, cache_dir=cache, depth=4, top_k=4, total_tokens=8)  # untuned
     base = jk.engine(method)
     prompts_ids = [base.encode(p) for p in (prompts or CALIBRATION)]
     costs = forward_costs(jk.target, 256, repeats=5, sizes=(1, 2, 4, 8, 16, 32))
