@@ -11,7 +11,6 @@ from .decoding.sampling import SamplingParams
 from .errors import JakiroError
 
 METHODS = ("ar", "pld", "eagle2", "jakiro")
-DRAFT_METHODS = ("eagle2", "jakiro")
 SHIPPED_DRAFTS_DIR = os.path.join(os.path.dirname(__file__), "drafts")
 
 

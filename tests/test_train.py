@@ -7,7 +7,6 @@ import socket
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from helpers import make_tiny_target
 from jakiro.errors import JakiroError

@@ -57,7 +57,7 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
 
     from ..api import load
     from ..bench.cost_curve import forward_costs
-    from ..decoding.proposers import DraftProposer, TreeBudget
+    from ..decoding.proposers import TreeBudget
     from ..draft.checkpoint import read_draft_config
 
     method = read_draft_config(draft).method

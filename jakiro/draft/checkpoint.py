@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 
 from ..errors import JakiroError
 from .config import DraftConfig
