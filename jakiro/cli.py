@@ -56,6 +56,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tree_args(g)
     _add_sampling_args(g)
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("--method", choices=("ar", "pld", "eagle2", "jakiro"),
+                    help="decoding method (default: the draft's method; jakiro for the default model)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--model-name", help="model id served to clients (default: the target's name)")
+    sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get HTTP 429")
+    sv.add_argument("--default-max-tokens", type=int, default=256,
+                    help="completion length when a request gives no max_tokens")
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    _add_target_args(sv)
+    _add_tree_args(sv)
+
+    ch = sub.add_parser("chat", help="interactive terminal chat with streamed replies")
+    ch.add_argument("--method", choices=("ar", "pld", "eagle2", "jakiro"),
+                    help="decoding method (default: the draft's method; jakiro for the default model)")
+    ch.add_argument("--system", help="system prompt")
+    _add_target_args(ch)
+    _add_tree_args(ch)
+    _add_sampling_args(ch)
+
     c = sub.add_parser("bench-cost", help="target forward cost curve and plain decoding vs HF generate")
     _add_target_args(c)
     c.add_argument("--context", type=int, default=256)
@@ -166,6 +187,45 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _load_for_session(args):
+    """Target + method for serve/chat: the draft's method if one is given, Jakiro with the shipped
+    draft for the default model, plain decoding otherwise."""
+    from . import load
+    from .api import shipped_draft
+    method = args.method
+    if method is None and args.draft is None:
+        method = "jakiro" if args.target is None and shipped_draft("jakiro") else "ar"
+    if method in ("ar", "pld") and any(v is not None for v in (args.depth, args.tree_top_k, args.total_tokens)):
+        raise JakiroError("--depth/--tree-top-k/--total-tokens apply to eagle2 and jakiro drafts")
+    return load(args.target, args.draft, method, args.depth, args.tree_top_k, args.total_tokens,
+                args.candidates, False if args.no_parallel else None, args.cache_dir)
+
+
+def cmd_serve(args) -> int:
+    from .serve.app import serve
+    if not 0 < args.port < 65536:
+        raise JakiroError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_queue < 1:
+        raise JakiroError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.default_max_tokens < 1:
+        raise JakiroError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    jk = _load_for_session(args)
+    serve(jk, args.host, args.port, None, args.model_name, args.max_queue, args.default_max_tokens,
+          args.log_level)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .chat import ChatSession, run_chat
+    from .decoding.sampling import SamplingParams
+    params = SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)
+    if args.max_new_tokens < 1:
+        raise JakiroError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    jk = _load_for_session(args)
+    session = ChatSession(jk.engine(), params, args.max_new_tokens, args.system, args.stop)
+    return run_chat(session)
+
+
 def cmd_bench_cost(args) -> int:
     from .bench.cost_curve import run_cost_curve
     report = run_cost_curve(args.target, args.cache_dir, args.context, args.repeats,
@@ -240,7 +300,7 @@ def cmd_tune(args) -> int:
     return 0
 
 
-COMMANDS = {"tune": cmd_tune, "bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train}
+COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "tune": cmd_tune, "bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train}
 
 
 def main(argv: list[str] | None = None) -> int:

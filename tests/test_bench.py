@@ -95,3 +95,42 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
     assert jk.engine().tuned is True
     explicit = jakiro.load(tiny_chat_target, tiny_draft, depth=5, cache_dir=str(tmp_path / "cache"))
     assert explicit.engine().proposer.budget.depth == 5 and explicit.engine().tuned is False
+
+
+def test_interrupted_bench_resumes_and_other_settings_are_refused(tmp_path, tiny_chat_target, monkeypatch):
+    from jakiro.bench import runner
+    from jakiro.bench.runner import BenchConfig, run_bench
+    questions = write_questions(tmp_path / "q.jsonl")
+    out = str(tmp_path / "out")
+
+    def config(**kw):
+        return BenchConfig(questions, ["ar", "pld"], max_new_tokens=8, out=out, target=tiny_chat_target,
+                           warmup=0, **kw)
+
+    full = run_bench(config(), progress=False)
+    reference = open(os.path.join(out, "answers_pld.jsonl")).read()
+    # simulate a run killed during the third question: its line is cut short
+    lines = open(os.path.join(out, runner.PROGRESS)).read().splitlines()
+    assert len(lines) == 3
+    with open(os.path.join(out, runner.PROGRESS), "w") as f:
+        f.write(lines[0] + "\n" + lines[1] + "\n" + lines[2][:40])
+    answered = []
+    from jakiro.decoding.engine import Engine
+    real_generate = Engine.generate
+
+    def counting(self, ids, *a, **kw):
+        answered.append(len(ids))
+        return real_generate(self, ids, *a, **kw)
+    monkeypatch.setattr(Engine, "generate", counting)
+    resumed = run_bench(config(), progress=False)
+    assert len(answered) == 2  # only the third question (one turn) again, for ar and pld
+    again = open(os.path.join(out, "answers_pld.jsonl")).read().splitlines()
+    before = reference.splitlines()
+    assert again[:2] == before[:2]  # kept as they were
+    assert [t["token_ids"] for t in json.loads(again[2])["turns"]] == \
+        [t["token_ids"] for t in json.loads(before[2])["turns"]]
+    assert resumed["methods"]["pld"]["all"]["answers"] == full["methods"]["pld"]["all"]["answers"] == 4
+    assert len(open(os.path.join(out, runner.PROGRESS)).read().splitlines()) == 3
+    with pytest.raises(JakiroError, match="other settings \\(max_new_tokens\\)"):
+        run_bench(BenchConfig(questions, ["ar", "pld"], max_new_tokens=9, out=out,
+                              target=tiny_chat_target, warmup=0), progress=False)

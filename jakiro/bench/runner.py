@@ -81,6 +81,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     if "ar" not in cfg.methods:
         cfg.methods = ["ar"] + list(cfg.methods)  # the speedup baseline
     questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)
+    os.makedirs(cfg.out, exist_ok=True)
+    records, done = _resume(cfg, questions)
     jk = load(cfg.target, cache_dir=cfg.cache_dir)
     from ..decoding.proposers import TreeBudget
     budget = None  # the draft's tuned tree (`jakiro tune`) or the default one
@@ -98,7 +100,6 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                                    cache_dir=cfg.cache_dir)
     hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
     eos = engines["ar"].eos_ids
-    os.makedirs(cfg.out, exist_ok=True)
     from ..decoding.sampling import SamplingParams
 
     def answer(m: str, messages: list[dict], seed: int) -> dict:
@@ -117,9 +118,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     for m in cfg.methods:
         for _ in range(cfg.warmup):
             answer(m, [{"role": "user", "content": "Say hello."}], 0)
-    records: dict[str, list[dict]] = {m: [] for m in cfg.methods}
-    bar = tqdm(total=len(questions) * len(cfg.methods), desc="bench", disable=not progress)
+    bar = tqdm(total=len(questions) * len(cfg.methods), initial=len(done) * len(cfg.methods),
+               desc="bench", disable=not progress)
+    progress_file = open(os.path.join(cfg.out, PROGRESS), "a")
     for qi, q in enumerate(questions):
+        if q["question_id"] in done:
+            continue
         histories = {m: [] for m in cfg.methods}
         turns_out = {m: [] for m in cfg.methods}
         for turn_i, turn in enumerate(q["turns"]):
@@ -128,10 +132,18 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
                 rec = answer(m, messages, cfg.seed + 1000 * qi + turn_i)
                 histories[m] = messages + [{"role": "assistant", "content": rec["text"]}]
                 turns_out[m].append(rec)
+        row = {m: {"question_id": q["question_id"], "category": q["category"], "turns": turns_out[m]}
+               for m in cfg.methods}
+        progress_file.write(json.dumps(row) + "\n")
+        progress_file.flush()
         for m in cfg.methods:
-            records[m].append({"question_id": q["question_id"], "category": q["category"], "turns": turns_out[m]})
+            records[m].append(row[m])
             bar.update(1)
+    progress_file.close()
     bar.close()
+    order = {q["question_id"]: i for i, q in enumerate(questions)}
+    for rows in records.values():
+        rows.sort(key=lambda r: order[r["question_id"]])
     for m, rows in records.items():
         with open(os.path.join(cfg.out, f"answers_{m}.jsonl"), "w") as f:
             for r in rows:
@@ -143,6 +155,49 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         f.write(markdown_table(summary))
     plot_summary(summary, cfg.out)
     return summary
+
+
+PROGRESS = "progress.jsonl"
+RUN = "run.json"
+
+
+def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dict]], set]:
+    """Answers already in ``cfg.out`` from an interrupted run with the same settings are kept (one
+    line per finished question in progress.jsonl); a folder holding another run is refused."""
+    settings = {k: v for k, v in cfg.__dict__.items() if k != "out"}
+    settings["threads"] = torch.get_num_threads()
+    run_path = os.path.join(cfg.out, RUN)
+    records: dict[str, list[dict]] = {m: [] for m in cfg.methods}
+    done: set = set()
+    if os.path.exists(run_path):
+        with open(run_path) as f:
+            previous = json.load(f)
+        if previous != json.loads(json.dumps(settings)):
+            changed = sorted(k for k in set(previous) | set(settings)
+                             if previous.get(k) != json.loads(json.dumps(settings.get(k))))
+            raise JakiroError(f"{cfg.out} holds a benchmark run with other settings ({', '.join(changed)}); "
+                              "use another --out or remove that folder")
+        wanted = {q["question_id"] for q in questions}
+        kept = []
+        with open(os.path.join(cfg.out, PROGRESS)) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    break  # a line cut short by an interruption: that question is run again
+                qid = row[cfg.methods[0]]["question_id"]
+                if qid in wanted and qid not in done:
+                    done.add(qid)
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                    for m in cfg.methods:
+                        records[m].append(row[m])
+        with open(os.path.join(cfg.out, PROGRESS), "w") as f:
+            f.writelines(kept)
+    else:
+        with open(run_path, "w") as f:
+            json.dump(settings, f, indent=2)
+        open(os.path.join(cfg.out, PROGRESS), "w").close()
+    return records, done
 
 
 def _aggregate(turns: list[dict]) -> dict:

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP serving: request parsing, a one-at-a-time scheduler, metrics, the app."""

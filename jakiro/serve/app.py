@@ -1,0 +1,223 @@
+"""The OpenAI-compatible FastAPI app: /v1/models, /v1/completions, /v1/chat/completions (with
+server-sent-event streaming), /health and Prometheus /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..api import Jakiro, load_tokenizer
+from ..decoding.engine import Engine
+from ..errors import JakiroError
+from . import protocol as P
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .scheduler import Job, QueueFull, Scheduler
+
+DISCONNECT_POLL_S = 0.25
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def served_name(target_path: str) -> str:
+    """The model id clients use: the target folder's name without the cache's hash suffix."""
+    return re.sub(r"-[0-9a-f]{10}$", "", os.path.basename(os.path.normpath(target_path)))
+
+
+def _error(exc: P.APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = None,
+               max_queue: int = 16, default_max_tokens: int = 256) -> FastAPI:
+    engine = jk.engine(method)
+    name = model_name or served_name(jk.target_path)
+    # the HTTP side encodes prompts with its own tokenizer: the engine thread uses the other one
+    encoder = Engine(jk.target, load_tokenizer(jk.target_path))
+    metrics = ServerMetrics()
+    scheduler = Scheduler(engine, max_queue, on_done=metrics.record, on_cancel=metrics.cancelled.inc)
+    metrics.track_queue(scheduler)
+    created = P.now()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        scheduler.close()
+
+    app = FastAPI(title="jakiro", description="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+    app.state.scheduler, app.state.metrics, app.state.engine = scheduler, metrics, engine
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(P.APIError(exc.status_code, str(exc.detail), None, code).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        return JSONResponse(P.APIError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        ok = scheduler.alive
+        body = {"status": "ok" if ok else "engine stopped", "model": name, "method": engine.method,
+                "waiting": scheduler.waiting, "max_queue": scheduler.max_queue, "busy": scheduler.busy}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "jakiro",
+                "method": engine.method, "max_context": jk.target.config.max_context}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != name:
+            return _error(P.APIError(404, f"the model '{model_id}' does not exist", "model", "model_not_found"))
+        return model_card()
+
+    def prepare(req: P.GenRequest, param: str) -> tuple[list[int], int]:
+        try:
+            ids = encoder.encode(req.prompt, chat=req.kind == "chat")
+        except JakiroError as exc:
+            raise P.bad(str(exc), param) from None
+        if not ids:
+            raise P.bad("the prompt is empty", param)
+        if max(ids) >= jk.target.config.vocab_size:
+            raise P.bad(f"token id {max(ids)} is outside the vocabulary ({jk.target.config.vocab_size})", param)
+        ctx = jk.target.config.max_context
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(default_max_tokens, ctx - len(ids))
+        if len(ids) + max(1, max_tokens) > ctx:
+            asked = f"{max_tokens} completion tokens" if req.max_tokens is not None else "at least 1 completion token"
+            raise P.APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has "
+                             f"{len(ids)} tokens and {asked} were requested",
+                             "max_tokens" if req.max_tokens is not None else param, "context_length_exceeded")
+        return ids, max_tokens
+
+    async def next_event(job: Job, request: Request):
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise _ClientGone() from None
+
+    async def handle(request: Request, kind: str, endpoint: str):
+        param = "messages" if kind == "chat" else "prompt"
+        try:
+            body = P.parse_body(await request.body())
+            req = P.parse_chat(body, [name]) if kind == "chat" else P.parse_completion(body, [name])
+            ids, max_tokens = prepare(req, param)
+            job = Job(ids, max_tokens, req.sampling, req.stop, asyncio.get_running_loop(), req.stream)
+            try:
+                scheduler.submit(job)
+            except QueueFull:
+                raise P.APIError(429, f"the server is busy ({scheduler.waiting} requests waiting for the "
+                                 "engine); retry later", None, "rate_limit_exceeded",
+                                 type="rate_limit_error") from None
+        except P.APIError as exc:
+            metrics.requests.labels(endpoint, str(exc.status)).inc()
+            return _error(exc)
+        rid, stamp = P.new_id(kind), P.now()
+        if req.stream:
+            return StreamingResponse(sse(job, req, rid, stamp, request, endpoint), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            while True:
+                kind_, value = await next_event(job, request)
+                if kind_ == "done":
+                    metrics.requests.labels(endpoint, "200").inc()
+                    return P.response(req, rid, stamp, value)
+                if kind_ == "error":
+                    exc = _failure(value)
+                    metrics.requests.labels(endpoint, str(exc.status)).inc()
+                    return _error(exc)
+                if kind_ == "cancelled":
+                    raise _ClientGone()
+        except _ClientGone:
+            metrics.requests.labels(endpoint, "499").inc()
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            metrics.requests.labels(endpoint, "499").inc()
+            raise
+        finally:
+            job.cancel()  # no-op once done; frees the engine if the client went away
+
+    async def sse(job: Job, req: P.GenRequest, rid: str, stamp: int, request: Request, endpoint: str):
+        status = "499"
+        try:
+            if req.kind == "chat":
+                yield _event(P.chunk(req, rid, stamp, first=True))
+            last_check = time.monotonic()
+            while True:
+                kind_, value = await next_event(job, request)
+                if time.monotonic() - last_check > DISCONNECT_POLL_S:
+                    last_check = time.monotonic()
+                    if await request.is_disconnected():
+                        raise _ClientGone()
+                if kind_ == "text":
+                    yield _event(P.chunk(req, rid, stamp, text=value))
+                elif kind_ == "done":
+                    yield _event(P.chunk(req, rid, stamp, finish_reason=value.finish_reason))
+                    if req.include_usage:
+                        yield _event(P.chunk(req, rid, stamp, usage_=P.usage(value)))
+                    yield "data: [DONE]\n\n"
+                    status = "200"
+                    return
+                elif kind_ == "error":
+                    exc = _failure(value)
+                    status = str(exc.status)
+                    yield _event(exc.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    return
+        except _ClientGone:
+            return
+        finally:
+            job.cancel()
+            metrics.requests.labels(endpoint, status).inc()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, "chat", "/v1/chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, "completion", "/v1/completions")
+
+    return app
+
+
+def _failure(exc: BaseException) -> P.APIError:
+    if isinstance(exc, JakiroError):
+        return P.APIError(400, str(exc))
+    return P.APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def serve(jk: Jakiro, host: str = "127.0.0.1", port: int = 8000, method: str | None = None,
+          model_name: str | None = None, max_queue: int = 16, default_max_tokens: int = 256,
+          log_level: str = "info") -> None:
+    import uvicorn
+    app = create_app(jk, method, model_name, max_queue, default_max_tokens)
+    jk.engine(method).generate("Hello", 4)  # warm-up, so that the first client is not the slow one
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

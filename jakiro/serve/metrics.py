@@ -1,0 +1,87 @@
+"""Prometheus metrics for the server: requests, tokens, target forwards, accepted draft tokens
+and acceptance per draft depth, queue state."""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: they only add noise to scrapes
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("jakiro_requests", "HTTP requests to the generation endpoints",
+                                ["endpoint", "status"], registry=r)
+        self.cancelled = Counter("jakiro_requests_cancelled", "requests whose client went away", registry=r)
+        self.prompt_tokens = Counter("jakiro_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generated = Counter("jakiro_generated_tokens", "tokens generated", registry=r)
+        self.forwards = Counter("jakiro_target_forwards", "target verification forwards", registry=r)
+        self.accepted = Counter("jakiro_accepted_tokens",
+                                "draft tokens accepted by verification (bonus tokens excluded)", registry=r)
+        self.latency = Histogram("jakiro_request_seconds", "generation time per finished request",
+                                 buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self._lock = threading.Lock()
+        self._tried: list[int] = []
+        self._acc: list[int] = []
+        self._committed = 0
+        self._forwards = 0
+        r.register(_Derived(self))
+
+    def track_queue(self, scheduler) -> None:
+        Gauge("jakiro_queue_waiting", "requests waiting for the engine",
+              registry=self.registry).set_function(lambda: scheduler.waiting)
+        Gauge("jakiro_engine_busy", "1 while the engine decodes a request",
+              registry=self.registry).set_function(lambda: 1.0 if scheduler.busy else 0.0)
+
+    def record(self, result) -> None:
+        m = result.metrics
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.generated.inc(m.new_tokens)
+        self.forwards.inc(m.target_forwards)
+        self.accepted.inc(max(0, m.committed - m.target_forwards))
+        self.latency.observe(m.total_s)
+        with self._lock:
+            self._committed += m.committed
+            self._forwards += m.target_forwards
+            for d, (t, a) in enumerate(zip(m.depth_tried, m.depth_accepted)):
+                if d >= len(self._tried):
+                    self._tried.append(0)
+                    self._acc.append(0)
+                self._tried[d] += t
+                self._acc[d] += a
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Derived:
+    """Per-depth draft acceptance and the running tau, computed at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+
+    def collect(self):
+        with self.m._lock:
+            tried, acc = list(self.m._tried), list(self.m._acc)
+            committed, forwards = self.m._committed, self.m._forwards
+        t = GaugeMetricFamily("jakiro_draft_depth_tried", "decode cycles whose accepted path reached "
+                              "this draft depth's candidates", labels=["depth"])
+        a = GaugeMetricFamily("jakiro_draft_depth_accepted", "... and accepted a token there", labels=["depth"])
+        rate = GaugeMetricFamily("jakiro_acceptance_rate", "accepted / tried per draft depth", labels=["depth"])
+        for d, (n, k) in enumerate(zip(tried, acc)):
+            t.add_metric([str(d + 1)], n)
+            a.add_metric([str(d + 1)], k)
+            rate.add_metric([str(d + 1)], k / n if n else 0.0)
+        yield t
+        yield a
+        yield rate
+        yield GaugeMetricFamily("jakiro_tau", "tokens committed per target forward since start",
+                                value=committed / forwards if forwards else 0.0)
