@@ -95,3 +95,12 @@ def test_chat_command_in_a_pseudo_terminal(smol):
         if proc.poll() is None:
             proc.kill()
         os.close(master)
+
+
+def test_chat_command_rejects_bad_options():
+    for args, message in ((["--temperature", "-1"], "temperature must be a finite number >= 0"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+                          (["--draft", "/nonexistent/draft"], "/nonexistent/draft")):
+        res = subprocess.run([sys.executable, "-m", "jakiro", "chat", *args], capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+        assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr

@@ -310,3 +310,49 @@ def test_metrics_are_prometheus_text(server, client):
     assert metric(server, "jakiro_generated_tokens_total") >= 4
     assert 'jakiro_acceptance_rate{depth="1"}' in text
     assert metric(server, "jakiro_target_forwards_total") >= 1
+
+
+def test_serve_command_starts_answers_and_stops():
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "jakiro", "serve", "--port", str(port), "--threads", "1",
+                             "--method", "pld", "--model-name", "smol", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                health = json.loads(conn.getresponse().read())
+                break
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+                time.sleep(0.5)
+        assert health["model"] == "smol" and health["method"] == "pld"
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        res = c.completions.create(model="smol", prompt="One, two, three,", max_tokens=6, temperature=0)
+        assert res.choices[0].text and res.usage.completion_tokens <= 6
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "--port must be in 1..65535"),
+    (["--max-queue", "0"], "--max-queue must be >= 1"),
+    (["--method", "ar", "--depth", "3"], "apply to eagle2 and jakiro drafts"),
+])
+def test_serve_command_rejects_bad_options(args, message):
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "jakiro", "serve", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
