@@ -131,6 +131,10 @@ def test_interrupted_bench_resumes_and_other_settings_are_refused(tmp_path, tiny
         [t["token_ids"] for t in json.loads(before[2])["turns"]]
     assert resumed["methods"]["pld"]["all"]["answers"] == full["methods"]["pld"]["all"]["answers"] == 4
     assert len(open(os.path.join(out, runner.PROGRESS)).read().splitlines()) == 3
+    answered.clear()
+    run_bench(config(limit_per_category=1), progress=False)  # fewer questions: all answered already
+    assert answered == []
+    assert len(open(os.path.join(out, runner.PROGRESS)).read().splitlines()) == 3  # nothing dropped
     with pytest.raises(JakiroError, match="other settings \\(max_new_tokens\\)"):
         run_bench(BenchConfig(questions, ["ar", "pld"], max_new_tokens=9, out=out,
                               target=tiny_chat_target, warmup=0), progress=False)

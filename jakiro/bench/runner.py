@@ -163,8 +163,9 @@ RUN = "run.json"
 
 def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dict]], set]:
     """Answers already in ``cfg.out`` from an interrupted run with the same settings are kept (one
-    line per finished question in progress.jsonl); a folder holding another run is refused."""
-    settings = {k: v for k, v in cfg.__dict__.items() if k != "out"}
+    line per finished question in progress.jsonl); a folder holding another run is refused. The
+    number of questions per category may change: a run can be extended to more questions later."""
+    settings = {k: v for k, v in cfg.__dict__.items() if k not in ("out", "limit_per_category")}
     settings["threads"] = torch.get_num_threads()
     run_path = os.path.join(cfg.out, RUN)
     records: dict[str, list[dict]] = {m: [] for m in cfg.methods}
@@ -178,7 +179,7 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
             raise JakiroError(f"{cfg.out} holds a benchmark run with other settings ({', '.join(changed)}); "
                               "use another --out or remove that folder")
         wanted = {q["question_id"] for q in questions}
-        kept = []
+        kept, seen = [], set()
         with open(os.path.join(cfg.out, PROGRESS)) as f:
             for line in f:
                 try:
@@ -186,9 +187,12 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
                 except json.JSONDecodeError:
                     break  # a line cut short by an interruption: that question is run again
                 qid = row[cfg.methods[0]]["question_id"]
-                if qid in wanted and qid not in done:
+                if qid in seen:
+                    continue
+                seen.add(qid)
+                kept.append(line if line.endswith("\n") else line + "\n")
+                if qid in wanted:  # answers outside this selection stay in the file for later runs
                     done.add(qid)
-                    kept.append(line if line.endswith("\n") else line + "\n")
                     for m in cfg.methods:
                         records[m].append(row[m])
         with open(os.path.join(cfg.out, PROGRESS), "w") as f:
