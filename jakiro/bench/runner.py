@@ -281,13 +281,18 @@ def plot_summary(summary: dict, out: str) -> None:
         fig.savefig(os.path.join(out, fname), dpi=100)
         plt.close(fig)
     fig, ax = plt.subplots(figsize=(6, 4))
+    plotted = False
     for m in methods:
         rates = summary["methods"][m]["all"].get("accept_rate_per_depth")
         if rates and m != "ar":
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=m)
+            plotted = True
     ax.set_xlabel("draft depth")
     ax.set_ylabel("acceptance rate")
-    ax.legend(fontsize=8)
+    if plotted:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no speculative method in this run", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "acceptance.png"), dpi=100)
     plt.close(fig)
