@@ -61,6 +61,8 @@ class Jakiro:
             if budget is None:
                 tuned = tuned_budget(draft, cache_dir)
                 budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
+                if tuned and parallel_decoding is None:
+                    parallel_decoding = tuned.get("parallel_decoding")
             try:
                 proposer = DraftProposer(model, budget, candidate_mode, parallel_decoding)
             except ValueError as exc:

@@ -87,12 +87,25 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
     result = tune.run_tune(tiny_draft, tiny_chat_target, str(tmp_path / "cache"), max_new_tokens=8,
                            prompts=["Hello there."], progress=False)
     best = result["best"]
-    assert len(result["grid"]) == 4  # two trees, then two reduced vocabularies for the best one
+    # two trees with and without contrastive parallel decoding, then two reduced vocabularies
+    assert len(result["grid"]) == 6
+    assert {r.get("parallel_decoding") for r in result["grid"][:4]} == {True, False}
+    assert [r.get("draft_vocab") for r in result["grid"][4:]] == [64, 128]
+    assert best["speedup"] > 0 and best["parallel_decoding"] in (True, False)
+    finalists = sorted(result["grid"], key=lambda r: r["tokens_per_s"], reverse=True)[:3]
+    assert {k: best[k] for k in ("depth", "top_k", "total_tokens", "parallel_decoding")} in [
+        {k: r[k] for k in ("depth", "top_k", "total_tokens", "parallel_decoding")} for r in finalists]
     assert os.path.exists(result["saved_to"])
     jk = jakiro.load(tiny_chat_target, tiny_draft, cache_dir=str(tmp_path / "cache"))
-    budget = jk.engine().proposer.budget
+    proposer = jk.engine().proposer
+    budget = proposer.budget
     assert (budget.depth, budget.top_k, budget.total_tokens) == (best["depth"], best["top_k"], best["total_tokens"])
+    assert proposer.parallel == best["parallel_decoding"]
+    assert (proposer.head_vocab or 256) == best["draft_vocab"]
     assert jk.engine().tuned is True
+    # the saved choice is for this draft only; an explicit option still wins over it
+    assert jakiro.load(tiny_chat_target, tiny_draft, parallel_decoding=not best["parallel_decoding"],
+                       cache_dir=str(tmp_path / "cache")).engine().proposer.parallel != best["parallel_decoding"]
     explicit = jakiro.load(tiny_chat_target, tiny_draft, depth=5, cache_dir=str(tmp_path / "cache"))
     assert explicit.engine().proposer.budget.depth == 5 and explicit.engine().tuned is False
 

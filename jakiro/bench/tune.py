@@ -16,6 +16,8 @@ from ..models.hub import cache_dir
 
 CHAINS = [(d, 1, d) for d in (2, 3, 4, 5, 6)]
 TREES = [(d, k, n) for d in (3, 4, 5) for k in (2, 4) for n in (6, 8, 12, 16)]
+FINALISTS = 3
+FINAL_ROUNDS = 2
 CALIBRATION = [
     "Explain how vaccines train the immune system.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -67,25 +69,44 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     costs = forward_costs(jk.target, 256, repeats=5, sizes=(1, 2, 4, 8, 16, 32))
     ar_tps, _ = _measure(jk.engine("ar"), prompts_ids, max_new_tokens)
     model = base.proposer.draft
-    grid = []
-    for depth, top_k, total in tqdm(CHAINS + TREES, desc="trees", disable=not progress):
-        engine = jk.add_method(method, draft, TreeBudget(depth, top_k, total))
+    # Jakiro drafts: the last tree layer from the contrastive branch (one draft forward less) or not
+    parallel = [True, False] if method == "jakiro" and model.config.parallel_decoding else [None]
+
+    def engine_for(row: dict):
+        engine = jk.add_method(method, draft, TreeBudget(row["depth"], row["top_k"], row["total_tokens"]),
+                               parallel_decoding=row.get("parallel_decoding"))
         engine.proposer.draft = model  # share one loaded draft
-        tps, tau = _measure(engine, prompts_ids, max_new_tokens)
-        grid.append({"depth": depth, "top_k": top_k, "total_tokens": total, "tokens_per_s": tps, "tau": tau})
+        if row.get("draft_vocab"):
+            engine.proposer.head_vocab = row["draft_vocab"]
+        return engine
+
+    grid = []
+    configs = [dict(depth=d, top_k=k, total_tokens=n, **({} if p is None else {"parallel_decoding": p}))
+               for d, k, n in CHAINS + TREES for p in parallel]
+    for row in tqdm(configs, desc="trees", disable=not progress):
+        tps, tau = _measure(engine_for(row), prompts_ids, max_new_tokens)
+        grid.append(dict(row, tokens_per_s=tps, tau=tau))
     best = max(grid, key=lambda r: r["tokens_per_s"])
-    best = dict(best, draft_vocab=model.config.draft_vocab_size)
     vocab = model.config.draft_vocab_size
     if vocab:
         for size in (vocab // 4, vocab // 2):
-            engine = jk.add_method(method, draft, TreeBudget(best["depth"], best["top_k"], best["total_tokens"]))
-            engine.proposer.draft = model
-            engine.proposer.head_vocab = size
-            tps, tau = _measure(engine, prompts_ids, max_new_tokens)
-            grid.append({"depth": best["depth"], "top_k": best["top_k"], "total_tokens": best["total_tokens"],
-                         "draft_vocab": size, "tokens_per_s": tps, "tau": tau})
-            if tps > best["tokens_per_s"]:
-                best = dict(grid[-1])
+            row = {k: v for k, v in best.items() if k not in ("tokens_per_s", "tau")}
+            row["draft_vocab"] = size
+            tps, tau = _measure(engine_for(row), prompts_ids, max_new_tokens)
+            grid.append(dict(row, tokens_per_s=tps, tau=tau))
+    # the finalists again, side by side with plain decoding: choose by measured speedup, not by
+    # tokens/s measured minutes apart on a machine whose speed drifts
+    finalists = sorted(grid, key=lambda r: r["tokens_per_s"], reverse=True)[:FINALISTS]
+    engines = [engine_for(r) for r in finalists]
+    ratios = [[] for _ in finalists]
+    for _ in range(FINAL_ROUNDS):
+        base_tps, _ = _measure(jk.engine("ar"), prompts_ids, max_new_tokens)
+        for i, engine in enumerate(engines):
+            ratios[i].append(_measure(engine, prompts_ids, max_new_tokens)[0] / base_tps)
+    speedups = [sum(r) / len(r) for r in ratios]
+    i = max(range(len(finalists)), key=speedups.__getitem__)
+    best = dict(finalists[i], speedup=speedups[i])
+    best.setdefault("draft_vocab", vocab)
     result = {"draft": os.path.abspath(draft), "method": method, "threads": torch.get_num_threads(),
               "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "ar_tokens_per_s": ar_tps,
               "forward_ms": {str(k): v for k, v in costs.items()}, "best": best, "grid": grid}
