@@ -97,13 +97,17 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     # the finalists again, side by side with plain decoding: choose by measured speedup, not by
     # tokens/s measured minutes apart on a machine whose speed drifts
     finalists = sorted(grid, key=lambda r: r["tokens_per_s"], reverse=True)[:FINALISTS]
-    engines = [engine_for(r) for r in finalists]
-    ratios = [[] for _ in finalists]
+    engines = [jk.engine("ar")] + [engine_for(r) for r in finalists]
+    tokens = [0] * len(engines)
+    secs = [0.0] * len(engines)
     for _ in range(FINAL_ROUNDS):
-        base_tps, _ = _measure(jk.engine("ar"), prompts_ids, max_new_tokens)
-        for i, engine in enumerate(engines):
-            ratios[i].append(_measure(engine, prompts_ids, max_new_tokens)[0] / base_tps)
-    speedups = [sum(r) / len(r) for r in ratios]
+        for ids in prompts_ids:  # interleaved per prompt
+            for i, engine in enumerate(engines):
+                m = engine.generate(ids, max_new_tokens).metrics
+                tokens[i] += m.new_tokens
+                secs[i] += m.total_s
+    rates = [t / s for t, s in zip(tokens, secs)]
+    speedups = [r / rates[0] for r in rates[1:]]
     i = max(range(len(finalists)), key=speedups.__getitem__)
     best = dict(finalists[i], speedup=speedups[i])
     best.setdefault("draft_vocab", vocab)
