@@ -95,6 +95,19 @@ class Jakiro:
         return self.engine(method).stream(prompt, max_new_tokens, params, stop, chat)
 
 
+def tree_budget(depth: int | None = None, top_k: int | None = None,
+                total_tokens: int | None = None) -> TreeBudget | None:
+    """The tree for explicit options (defaults for the ones not given), or None when no option is
+    given, so that a draft uses its tuned tree."""
+    if all(v is None for v in (depth, top_k, total_tokens)):
+        return None
+    defaults = TreeBudget()
+    try:
+        return TreeBudget(depth or defaults.depth, top_k or defaults.top_k, total_tokens or defaults.total_tokens)
+    except ValueError as exc:
+        raise JakiroError(str(exc)) from None
+
+
 def load(target: str | None = None, draft: str | None = None, method: str | None = None,
          depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
          candidate_mode: str | None = None, parallel_decoding: bool | None = None,
@@ -111,14 +124,7 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
         from .draft.checkpoint import read_draft_config
         method = read_draft_config(draft).method
     method = method or "ar"
-    budget = None
-    if any(v is not None for v in (depth, top_k, total_tokens)):
-        defaults = TreeBudget()
-        try:
-            budget = TreeBudget(depth or defaults.depth, top_k or defaults.top_k,
-                                total_tokens or defaults.total_tokens)
-        except ValueError as exc:
-            raise JakiroError(str(exc)) from None
-    jk.add_method(method, draft, budget, candidate_mode, parallel_decoding, cache_dir=cache_dir)
+    jk.add_method(method, draft, tree_budget(depth, top_k, total_tokens), candidate_mode, parallel_decoding,
+                  cache_dir=cache_dir)
     jk.default_method = method
     return jk

@@ -31,6 +31,14 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-parallel", action="store_true", help="Jakiro: disable contrastive parallel decoding")
 
 
+def _add_session_args(p: argparse.ArgumentParser) -> None:
+    """Model options of the long-running commands (serve, chat); see ``_load_for_session``."""
+    p.add_argument("--method", choices=("ar", "pld", "eagle2", "jakiro"),
+                   help="decoding method (default: the draft's method; jakiro for the default model)")
+    _add_target_args(p)
+    _add_tree_args(p)
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -57,8 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    sv.add_argument("--method", choices=("ar", "pld", "eagle2", "jakiro"),
-                    help="decoding method (default: the draft's method; jakiro for the default model)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--model-name", help="model id served to clients (default: the target's name)")
@@ -66,15 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--default-max-tokens", type=int, default=256,
                     help="completion length when a request gives no max_tokens")
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    _add_target_args(sv)
-    _add_tree_args(sv)
+    _add_session_args(sv)
 
     ch = sub.add_parser("chat", help="interactive terminal chat with streamed replies")
-    ch.add_argument("--method", choices=("ar", "pld", "eagle2", "jakiro"),
-                    help="decoding method (default: the draft's method; jakiro for the default model)")
     ch.add_argument("--system", help="system prompt")
-    _add_target_args(ch)
-    _add_tree_args(ch)
+    _add_session_args(ch)
     _add_sampling_args(ch)
 
     c = sub.add_parser("bench-cost", help="target forward cost curve and plain decoding vs HF generate")

@@ -73,7 +73,7 @@ class _HFRunner:
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     from tqdm import tqdm
 
-    from ..api import load
+    from ..api import load, tree_budget
 
     for m in cfg.methods:
         if m not in KNOWN:
@@ -84,12 +84,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     os.makedirs(cfg.out, exist_ok=True)
     records, done = _resume(cfg, questions)
     jk = load(cfg.target, cache_dir=cfg.cache_dir)
-    from ..decoding.proposers import TreeBudget
-    budget = None  # the draft's tuned tree (`jakiro tune`) or the default one
-    if any(v is not None for v in (cfg.depth, cfg.tree_top_k, cfg.total_tokens)):
-        base = TreeBudget()
-        budget = TreeBudget(cfg.depth or base.depth, cfg.tree_top_k or base.top_k,
-                            cfg.total_tokens or base.total_tokens)
+    budget = tree_budget(cfg.depth, cfg.tree_top_k, cfg.total_tokens)  # None: tuned or default tree
     engines = {}
     for m in cfg.methods:
         if m in HF_METHODS:
@@ -167,15 +162,15 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
     number of questions per category may change: a run can be extended to more questions later."""
     settings = {k: v for k, v in cfg.__dict__.items() if k not in ("out", "limit_per_category")}
     settings["threads"] = torch.get_num_threads()
+    settings = json.loads(json.dumps(settings))  # as it reads back from run.json
     run_path = os.path.join(cfg.out, RUN)
     records: dict[str, list[dict]] = {m: [] for m in cfg.methods}
     done: set = set()
     if os.path.exists(run_path):
         with open(run_path) as f:
             previous = json.load(f)
-        if previous != json.loads(json.dumps(settings)):
-            changed = sorted(k for k in set(previous) | set(settings)
-                             if previous.get(k) != json.loads(json.dumps(settings.get(k))))
+        if previous != settings:
+            changed = sorted(k for k in set(previous) | set(settings) if previous.get(k) != settings.get(k))
             raise JakiroError(f"{cfg.out} holds a benchmark run with other settings ({', '.join(changed)}); "
                               "use another --out or remove that folder")
         wanted = {q["question_id"] for q in questions}

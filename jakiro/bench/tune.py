@@ -59,7 +59,8 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
 
     from ..api import load
     from ..bench.cost_curve import forward_costs
-    from ..decoding.proposers import TreeBudget
+    from ..decoding.engine import Engine
+    from ..decoding.proposers import DraftProposer, TreeBudget
     from ..draft.checkpoint import read_draft_config
 
     method = read_draft_config(draft).method
@@ -72,13 +73,12 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     # Jakiro drafts: the last tree layer from the contrastive branch (one draft forward less) or not
     parallel = [True, False] if method == "jakiro" and model.config.parallel_decoding else [None]
 
-    def engine_for(row: dict):
-        engine = jk.add_method(method, draft, TreeBudget(row["depth"], row["top_k"], row["total_tokens"]),
-                               parallel_decoding=row.get("parallel_decoding"))
-        engine.proposer.draft = model  # share one loaded draft
+    def engine_for(row: dict) -> Engine:  # every configuration shares the one loaded draft
+        proposer = DraftProposer(model, TreeBudget(row["depth"], row["top_k"], row["total_tokens"]),
+                                 parallel_decoding=row.get("parallel_decoding"))
         if row.get("draft_vocab"):
-            engine.proposer.head_vocab = row["draft_vocab"]
-        return engine
+            proposer.head_vocab = row["draft_vocab"]
+        return Engine(jk.target, jk.tokenizer, proposer)
 
     grid = []
     configs = [dict(depth=d, top_k=k, total_tokens=n, **({} if p is None else {"parallel_decoding": p}))

@@ -25,7 +25,6 @@ class Job:
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.started = threading.Event()
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -84,7 +83,6 @@ class Scheduler:
                     self._on_cancel()
                 continue
             self.busy = True
-            job.started.set()
             try:
                 self._serve(job)
             except BaseException as exc:  # one failing request never takes the worker down
