@@ -96,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--shard-size", type=int, default=64)
     d.add_argument("--regenerate", choices=("none", "greedy", "sample"), default="none",
                    help="replace assistant turns with the target's own answers")
-    d.add_argument("--regen-max-tokens", type=int, default=256)
+    d.add_argument("--regen-max-tokens", type=int, default=256, help="longest regenerated answer, in tokens")
+    d.add_argument("--regen-batch", type=int, default=32, help="conversations regenerated together")
+    d.add_argument("--sample-share", type=float, default=0.0,
+                   help="with --regenerate greedy: share of conversations answered by sampling (T 0.8, top-p 0.95)")
+    d.add_argument("--no-eval-filter", action="store_true",
+                   help="keep conversations that overlap MT-bench, Spec-Bench or HumanEval prompts")
     d.add_argument("--seed", type=int, default=0)
 
     t = sub.add_parser("train", help="train an eagle2 or jakiro draft on a dataset from `jakiro data`")
@@ -240,13 +245,18 @@ def cmd_bench_cost(args) -> int:
 
 def cmd_data(args) -> int:
     from .train.dataset import DataConfig, build_dataset
-    for name in ("max_records", "max_len", "shard_size", "regen_max_tokens"):
+    for name in ("max_records", "max_len", "shard_size", "regen_max_tokens", "regen_batch"):
         if getattr(args, name) < 1:
             raise JakiroError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.sample_share <= 1:
+        raise JakiroError("--sample-share must be in [0, 1]")
     cfg = DataConfig(args.target, args.source, args.max_records, args.max_len, args.shard_size,
-                     args.regenerate, args.regen_max_tokens, args.seed)
+                     args.regenerate, args.regen_max_tokens, args.seed, args.regen_batch,
+                     args.sample_share, not args.no_eval_filter)
     state = build_dataset(args.out, cfg, args.cache_dir)
-    print(json.dumps({k: state[k] for k in ("records", "tokens", "loss_tokens", "records_done")}))
+    keys = ("records", "tokens", "loss_tokens", "records_done", "removed_evaluation", "removed_duplicates",
+            "feature_tokens_per_s", "regeneration_runs")
+    print(json.dumps({k: state[k] for k in keys if k in state}))
     return 0
 
 

@@ -13,10 +13,13 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype = torch.float32):
-        # [layers, 2 (k/v), 1 (batch), kv_heads, max_len, head_dim]
-        self.data = torch.zeros(num_layers, 2, 1, num_kv_heads, max_len, head_dim, dtype=dtype)
-        self.max_len = max_len
+                 dtype: torch.dtype = torch.float32, data: torch.Tensor | None = None):
+        # [layers, 2 (k/v), 1 (batch), kv_heads, max_len, head_dim]; ``data`` may be a view into
+        # a larger buffer (one slot of a BatchKVCache)
+        if data is None:
+            data = torch.zeros(num_layers, 2, 1, num_kv_heads, max_len, head_dim, dtype=dtype)
+        self.data = data
+        self.max_len = data.shape[4]
         self.length = 0
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,5 +55,48 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
-    def reset(self) -> None:
-        self.length = 0
+
+
+class BatchKVCache:
+    """Independent sequences in one buffer, for batched decoding (one new token per sequence and
+    step). Slot ``b`` is prefilled through ``slot(b)``, a KVCache over the same memory; every
+    sequence then has its own length, and attention masks each slot past its own end."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, batch: int, max_len: int,
+                 dtype: torch.dtype = torch.float32):
+        # [layers, 2 (k/v), batch, kv_heads, max_len, head_dim]
+        self.data = torch.zeros(num_layers, 2, batch, num_kv_heads, max_len, head_dim, dtype=dtype)
+        self.max_len = max_len
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # [batch]
+
+    @property
+    def batch(self) -> int:
+        return self.data.shape[2]
+
+    def slot(self, b: int) -> KVCache:
+        """A single-sequence cache over slot ``b``, emptied (its length restarts at 0)."""
+        self.lengths[b] = 0
+        return KVCache(0, 0, 0, 0, data=self.data[:, :, b:b + 1])
+
+    def set_length(self, b: int, length: int) -> None:
+        self.lengths[b] = length
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one new entry per slot, k, v [batch, kv_heads, head_dim], at each slot's length;
+        return views [batch, kv_heads, max(lengths) + 1, head_dim]."""
+        if int(self.lengths.max()) >= self.max_len:
+            raise ValueError(f"KV cache overflow: a slot is full ({self.max_len} entries)")
+        rows = torch.arange(self.batch)
+        layer_kv = self.data[layer]
+        layer_kv[0, rows, :, self.lengths] = k
+        layer_kv[1, rows, :, self.lengths] = v
+        end = int(self.lengths.max()) + 1
+        return layer_kv[0, :, :, :end], layer_kv[1, :, :, :end]
+
+    def attention_mask(self) -> torch.Tensor:
+        """[batch, 1, 1, max(lengths) + 1] bool: each slot sees its prefix and its new entry."""
+        end = int(self.lengths.max()) + 1
+        return (torch.arange(end) <= self.lengths[:, None]).view(self.batch, 1, 1, end)
+
+    def advance(self) -> None:
+        self.lengths += 1

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import JakiroError
-from .kv_cache import KVCache
+from .kv_cache import BatchKVCache, KVCache
 from .linear import FastLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -194,6 +194,14 @@ class TargetModel:
             raise JakiroError(f"draft trees are limited to {ROPE_SLACK} tokens, got {scratch}")
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len + scratch, self.dtype)
 
+    def new_batch_cache(self, batch: int, max_len: int) -> BatchKVCache:
+        """A cache for ``batch`` independent sequences of up to ``max_len`` tokens each."""
+        cfg = self.config
+        if max_len > cfg.max_context:
+            raise JakiroError(f"requested {max_len} tokens but the model's context length is "
+                              f"{cfg.max_context}")
+        return BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch, max_len, self.dtype)
+
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache,
@@ -225,32 +233,64 @@ class TargetModel:
                 attn_mask = torch.cat((torch.ones(n, past, dtype=torch.bool), new_mask), 1)
         elif tree_mask is not None and not bool(tree_mask[0, 0]):
             raise ValueError("a token must attend to itself")
-        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        half = D // 2
-        eps = cfg.rms_norm_eps
+        H, D = cfg.num_heads, cfg.head_dim
         x = self.embed[input_ids]  # [n, d]
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
-            qkv = layer.qkv(h)  # [n, (H + 2 Hkv) D]
-            qk = qkv[:, : (H + Hkv) * D].view(n, H + Hkv, D)
-            v = qkv[:, (H + Hkv) * D:].view(n, Hkv, D)
-            if layer.q_norm is not None:
-                qk = torch.cat((F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps),
-                                F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)), 1)
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), -1)
-            qk = qk * cos + rotated * sin
-            q = qk[:, :H].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            k_all, v_all = cache.write(i, qk[:, H:].transpose(0, 1).unsqueeze(0),
-                                       v.transpose(0, 1).unsqueeze(0))
-            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask,
-                                               is_causal=is_causal, scale=self.scale,
-                                               enable_gqa=H != Hkv)
-            x = x + layer.o(o[0].transpose(0, 1).reshape(n, H * D))
-            h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        features = F.rms_norm(x, (x.shape[-1],), self.norm, eps)
+            q, k, v = self._attention_inputs(layer, x, cos, sin)
+            k_all, v_all = cache.write(i, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_all, v_all,
+                                               attn_mask=attn_mask, is_causal=is_causal,
+                                               scale=self.scale, enable_gqa=H != cfg.num_kv_heads)
+            x = self._attention_output_and_mlp(layer, x, o[0].transpose(0, 1).reshape(n, H * D))
+        features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
         rows = features if logits_rows is None else features[logits_rows]
         return self.lm_head(rows), features
+
+    @torch.inference_mode()
+    def decode_batch(self, input_ids: torch.Tensor, cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token for each of the cache's sequences, at position ``cache.lengths[b]``:
+        input_ids [batch] -> (logits [batch, vocab], features [batch, d]). The new entries are
+        written; ``cache.advance()`` commits them."""
+        cfg = self.config
+        B, H, D = input_ids.shape[0], cfg.num_heads, cfg.head_dim
+        if B != cache.batch:
+            raise ValueError(f"{B} tokens for a cache of {cache.batch} sequences")
+        positions = cache.lengths
+        cos = self.cos[positions].unsqueeze(1)  # [B, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        mask = cache.attention_mask()
+        x = self.embed[input_ids]  # [B, d]
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._attention_inputs(layer, x, cos, sin)
+            k_all, v_all = cache.write(i, k, v)
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, attn_mask=mask,
+                                               scale=self.scale, enable_gqa=H != cfg.num_kv_heads)
+            x = self._attention_output_and_mlp(layer, x, o.reshape(B, H * D))
+        features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
+        return self.lm_head(features), features
+
+    def _attention_inputs(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [n, d] -> rotated q [n, H, D], rotated k [n, Hkv, D], v [n, Hkv, D]."""
+        cfg = self.config
+        n, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = cfg.rms_norm_eps
+        h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
+        qkv = layer.qkv(h)  # [n, (H + 2 Hkv) D]
+        qk = qkv[:, : (H + Hkv) * D].view(n, H + Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].view(n, Hkv, D)
+        if layer.q_norm is not None:
+            qk = torch.cat((F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps),
+                            F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)), 1)
+        half = D // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), -1)
+        qk = qk * cos + rotated * sin
+        return qk[:, :H], qk[:, H:], v
+
+    def _attention_output_and_mlp(self, layer: _Layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Residual stream after the attention output o [n, H D] and the MLP block."""
+        x = x + layer.o(o)
+        h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, self.config.rms_norm_eps)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        return x + layer.down(F.silu(gate) * up)
 
     __call__ = forward

@@ -8,18 +8,20 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from ..errors import JakiroError
 from ..data.conversations import iter_conversations
+from ..data.decontaminate import PromptFilter, evaluation_prompts
+from ..errors import JakiroError
 
 STATE_FILE = "state.json"
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], list[int]] | None:
-    """Token ids and a loss mask that is 1 on assistant content (and its end-of-turn token), 0 on
-    the template's headers and on user/system text."""
+    """Token ids and a loss mask that is 1 on assistant content (and its end-of-turn token, unless
+    the answer is marked ``truncated``), 0 on the template's headers and on user/system text."""
     ids: list[int] = []
     mask: list[int] = []
     rendered = ""
@@ -27,7 +29,14 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> tupl
         if msg["role"] == "assistant":
             header = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
             full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-            pieces = [(header[len(rendered):], 0), (full[len(header):], 1)]
+            answer = full[len(header):]
+            if msg.get("truncated"):
+                # an answer cut short (length limit, degenerate loop): the model did not end its
+                # turn there, so the template's end-of-turn is context, not a training target
+                cut = answer.find(msg["content"]) + len(msg["content"])
+                pieces = [(header[len(rendered):], 0), (answer[:cut], 1), (answer[cut:], 0)]
+            else:
+                pieces = [(header[len(rendered):], 0), (answer, 1)]
         else:
             full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
             pieces = [(full[len(rendered):], 0)]
@@ -52,25 +61,77 @@ class DataConfig:
     regenerate: str = "none"  # none | greedy | sample
     regen_max_tokens: int = 256
     seed: int = 0
+    regen_batch: int = 32  # conversations decoded together
+    sample_share: float = 0.0  # greedy regeneration: share of conversations sampled instead
+    filter_evaluation: bool = True  # drop conversations that touch evaluation prompts
+
+    def regen_settings(self):
+        from ..data.regenerate import RegenSettings
+        return RegenSettings(mode=self.regenerate, max_len=self.max_len, max_new_tokens=self.regen_max_tokens,
+                             batch=self.regen_batch, sample_share=self.sample_share, seed=self.seed)
 
 
-def _regenerate(engine, messages: list[dict], mode: str, max_tokens: int, seed: int) -> list[dict] | None:
-    """Replace every assistant turn by the target's own answer to the conversation so far."""
-    from ..decoding.sampling import SamplingParams
-    params = SamplingParams(temperature=0.0 if mode == "greedy" else 0.8, top_p=0.95, seed=seed)
-    out: list[dict] = []
-    for msg in messages:
-        if msg["role"] != "assistant":
-            out.append(msg)
-            continue
-        ids = engine.encode(out)
-        if len(ids) + max_tokens > engine.target.config.max_context:
-            break
-        res = engine.generate(ids, max_tokens, params)
-        if not res.text.strip():
-            break
-        out.append({"role": "assistant", "content": res.text})
-    return out if any(m["role"] == "assistant" for m in out) else None
+REGENERATED_FILE = "regenerated.jsonl"
+
+
+def _admitted(source: str, prompt_filter) -> Iterator[tuple[int, list[dict] | None]]:
+    """(source index, messages or None) for every source record; None for records that are
+    unusable, touch an evaluation prompt or repeat an earlier first user turn."""
+    for index, messages in enumerate(iter_conversations(source)):
+        if messages is not None and prompt_filter is not None and not prompt_filter.admit(messages):
+            messages = None
+        yield index, messages
+
+
+def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, progress: bool = True) -> dict:
+    """Append the target's own answers to ``cfg.source``'s conversations to ``path`` (JSONL)
+    until it holds ``cfg.max_records`` conversations; resumes from what the file holds."""
+    from tqdm import tqdm
+
+    from ..data.regenerate import Regenerator, read_done
+
+    done = read_done(path)
+    written = len(done)
+    if written >= cfg.max_records:
+        return {"conversations": 0, "already_regenerated": written}
+    in_flight = 0
+
+    def jobs():
+        nonlocal in_flight
+        for index, messages in _admitted(cfg.source, prompt_filter):
+            if messages is None or index in done:
+                continue
+            if written + in_flight >= cfg.max_records:
+                return
+            in_flight += 1
+            yield index, messages
+
+    regen = Regenerator(jk.target, jk.tokenizer, jk.engine("ar").eos_ids, cfg.regen_settings())
+    bar = tqdm(total=cfg.max_records, initial=written, desc="regenerate", unit="conv", disable=not progress)
+    with open(path, "a", encoding="utf-8") as f:
+        def write(record: dict) -> None:
+            nonlocal written, in_flight
+            try:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+            except OSError as exc:
+                raise JakiroError(f"cannot append to {path}: {exc.strerror or exc}; the conversations "
+                                  f"already written are kept, rerun the same command to resume") from None
+            written += 1
+            in_flight -= 1
+            bar.update(1)
+
+        def on_step(stats) -> None:
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}", cut=stats.cut_tokens, refresh=False)
+
+        stats = regen.run(jobs(), write, on_step)
+    bar.close()
+    if prompt_filter is not None:
+        stats_dict = stats.as_dict()
+        stats_dict.update(removed_evaluation=prompt_filter.contaminated,
+                          removed_duplicates=prompt_filter.duplicates)
+        return stats_dict
+    return stats.as_dict()
 
 
 def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[int], torch.Tensor]]) -> str:
@@ -86,8 +147,14 @@ def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[in
         "offsets": torch.tensor(offsets, dtype=torch.int64),
     }
     tmp = os.path.join(folder, name + ".tmp")
-    save_file(tensors, tmp)
-    os.replace(tmp, os.path.join(folder, name))
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, os.path.join(folder, name))
+    except OSError as exc:  # e.g. a full disk: the earlier shards and the state stay as they were
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise JakiroError(f"cannot write dataset shard {os.path.join(folder, name)}: {exc.strerror or exc}; "
+                          f"earlier shards are intact, rerun the same command to resume") from None
     return name
 
 
@@ -113,6 +180,8 @@ def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progr
     identity = {"target_name": target.config.name, "hidden_size": target.config.hidden_size,
                 "vocab_size": target.config.vocab_size, "source": cfg.source, "max_len": cfg.max_len,
                 "regenerate": cfg.regenerate, "seed": cfg.seed}
+    if cfg.regenerate != "none":
+        identity.update(regen_max_tokens=cfg.regen_max_tokens, sample_share=cfg.sample_share)
     state = _read_state(out)
     if state is None:
         if any(f.endswith(".safetensors") for f in os.listdir(out)):
@@ -122,31 +191,32 @@ def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progr
     elif state["identity"] != identity:
         raise JakiroError(f"{out} already holds a dataset built with different settings "
                           f"({state['identity']}); use another --out")
-    engine = jk.engine("ar")
-    source = iter_conversations(cfg.source)
-    skipped = 0
+    prompt_filter = PromptFilter(evaluation_prompts()) if cfg.filter_evaluation else None
+    source = cfg.source
+    if cfg.regenerate != "none":
+        source = os.path.join(out, REGENERATED_FILE)
+        state.setdefault("regeneration_runs", []).append(
+            regenerate_conversations(jk, cfg, source, prompt_filter, progress))
+        prompt_filter = None  # the regenerated file holds admitted conversations only
+    records = _admitted(source, prompt_filter)
     for _ in range(state["records_done"]):  # resume: skip what the shards already cover
-        if next(source, StopIteration) is StopIteration:
+        if next(records, None) is None:
             break
     consumed = state["records_done"]
     pending: list = []
-    bar = tqdm(total=cfg.max_records, initial=state["records"], desc="records", unit="rec",
+    bar = tqdm(total=cfg.max_records, initial=state["records"], desc="features", unit="rec",
                disable=not progress)
     t0 = time.time()
+    feature_tokens = 0
     counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
     while state["records"] + len(pending) < cfg.max_records:
-        messages = next(source, StopIteration)
-        if messages is StopIteration:
+        item = next(records, None)
+        if item is None:
             break
         consumed += 1
+        messages = item[1]
         if messages is None:
-            skipped += 1
             continue
-        if cfg.regenerate != "none":
-            messages = _regenerate(engine, messages, cfg.regenerate, cfg.regen_max_tokens,
-                                   cfg.seed + consumed)
-            if messages is None:
-                continue
         tok = tokenize_conversation(tokenizer, messages, cfg.max_len)
         if tok is None:
             continue
@@ -154,6 +224,7 @@ def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progr
         with torch.inference_mode():
             cache = target.new_cache(len(ids))
             _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0))
+        feature_tokens += len(ids)
         pending.append((ids, mask, feats))
         bar.update(1)
         if len(pending) == cfg.shard_size or state["records"] + len(pending) >= cfg.max_records:
@@ -164,7 +235,12 @@ def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progr
     bar.close()
     if state["records"] == 0:
         raise JakiroError(f"no usable conversations in {cfg.source}")
-    state["seconds"] = state.get("seconds", 0) + time.time() - t0
+    seconds = time.time() - t0
+    state["seconds"] = state.get("seconds", 0) + seconds
+    if prompt_filter is not None:
+        state["removed_evaluation"] = prompt_filter.contaminated
+        state["removed_duplicates"] = prompt_filter.duplicates
+    state["feature_tokens_per_s"] = round(feature_tokens / seconds, 1) if feature_tokens else None
     _save_state(out, state)
     return state
 

@@ -1,0 +1,249 @@
+"""Self-distilled conversations: the target answers the user turns of many conversations at once.
+
+Continuous batching: ``batch`` conversations are decoded together, one token per conversation per
+target forward (``TargetModel.decode_batch``, per-sequence KV and lengths, no padding of the
+prompts); when an answer ends, its slot is prefilled with the conversation's next user turn, or
+with the next conversation. Each conversation keeps its multi-turn structure and is bounded by
+``max_len`` tokens (what training reads). Degenerate loops (a block of tokens repeated three times
+in a row) are cut after the second copy and counted. Finished conversations are appended to a
+JSONL file, so a killed run resumes where it stopped and features can be rebuilt from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..decoding.sampling import SamplingParams, processed_probs
+
+MIN_ANSWER_ROOM = 16  # tokens an answer must be allowed before a turn is worth prefilling
+
+
+@dataclass
+class RegenSettings:
+    mode: str = "greedy"  # greedy | sample
+    max_len: int = 512  # tokens per conversation: prompts and answers together
+    max_new_tokens: int = 256  # per answer
+    batch: int = 32
+    sample_share: float = 0.0  # greedy mode: share of conversations answered by sampling instead
+    temperature: float = 0.8  # sampled answers
+    top_p: float = 0.95
+    seed: int = 0
+
+
+@dataclass
+class RegenStats:
+    conversations: int = 0
+    answers: int = 0
+    generated_tokens: int = 0  # kept answer tokens
+    cut_tokens: int = 0  # tokens removed from degenerate loops
+    cut_answers: int = 0
+    length_limited_answers: int = 0
+    skipped_too_long: int = 0  # conversations whose first prompt leaves no room for an answer
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.generated_tokens + self.cut_tokens) / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["generated_tokens_per_s"] = round(self.tokens_per_s, 1)
+        return d
+
+
+def repeated_tail(ids: list[int], min_span: int = 16, max_period: int = 100) -> int | None:
+    """Where to cut ``ids`` if they end in a degenerate loop: the same block of p tokens three
+    times in a row (short blocks must repeat until the run spans ``min_span`` tokens). Returns
+    the length that keeps two copies of the block, or None."""
+    n = len(ids)
+    for p in range(1, min(max_period, n // 3) + 1):
+        if ids[-1] != ids[-1 - p]:
+            continue
+        copies = max(3, -(-min_span // p))
+        if copies * p > n:
+            continue
+        block = ids[n - p:]
+        if all(ids[n - (r + 1) * p: n - r * p] == block for r in range(1, copies)):
+            return n - (copies - 2) * p
+    return None
+
+
+@dataclass
+class _Conversation:
+    index: int
+    source: list[dict]
+    sampled: bool
+    out: list[dict] = field(default_factory=list)
+    pos: int = 0  # next source message
+    prompt_len: int = 0
+    answer: list[int] = field(default_factory=list)
+    generated: int = 0
+    cut: int = 0
+    truncated: bool = False  # the current answer was cut (loop) or hit a length limit
+
+
+class Regenerator:
+    """Runs the batched generation loop for one target and tokenizer."""
+
+    def __init__(self, target, tokenizer, eos_ids: set[int], settings: RegenSettings):
+        self.target, self.tokenizer, self.eos_ids, self.s = target, tokenizer, eos_ids, settings
+        self.sampling = SamplingParams(settings.temperature, settings.top_p)
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.stats = RegenStats()
+
+    def run(self, jobs: Iterator[tuple[int, list[dict]]], write: Callable[[dict], None],
+            on_step: Callable[[RegenStats], None] | None = None) -> RegenStats:
+        """Answer every conversation that ``jobs`` yields ((source index, messages)); ``write``
+        receives each finished conversation."""
+        s = self.s
+        B = s.batch
+        cache = self.target.new_batch_cache(B, s.max_len + 1)
+        slots: list[_Conversation | None] = [None] * B
+        tokens = torch.zeros(B, dtype=torch.long)
+        t0 = time.perf_counter()
+        for b in range(B):
+            self._refill(b, slots, cache, tokens, jobs, write)
+        while any(slots):
+            logits, _ = self.target.decode_batch(tokens, cache)  # [B, vocab]
+            cache.advance()
+            chosen = self._choose(logits, slots)
+            for b, conv in enumerate(slots):
+                if conv is None:
+                    cache.set_length(b, 0)
+                    continue
+                if self._accept(conv, int(chosen[b])):
+                    tokens[b] = int(chosen[b])
+                else:
+                    self._next_turn(b, slots, cache, tokens, jobs, write)
+            self.stats.seconds = time.perf_counter() - t0
+            if on_step:
+                on_step(self.stats)
+        return self.stats
+
+    # ------------------------------------------------------------------ per slot
+    def _choose(self, logits: torch.Tensor, slots) -> torch.Tensor:
+        chosen = logits.argmax(-1)
+        rows = [b for b, c in enumerate(slots) if c is not None and c.sampled]
+        if rows:
+            probs = processed_probs(logits[rows], self.sampling)
+            chosen[rows] = torch.multinomial(probs, 1, generator=self.generator).flatten()
+        return chosen
+
+    def _accept(self, conv: _Conversation, tok: int) -> bool:
+        """Add a token to the answer; False when the answer is complete."""
+        if tok in self.eos_ids:
+            return False
+        conv.answer.append(tok)
+        cut = repeated_tail(conv.answer)
+        if cut is not None:
+            conv.cut += len(conv.answer) - cut
+            del conv.answer[cut:]
+            self.stats.cut_answers += 1
+            conv.truncated = True
+            return False
+        if (len(conv.answer) >= self.s.max_new_tokens
+                or conv.prompt_len + len(conv.answer) >= self.s.max_len):
+            self.stats.length_limited_answers += 1
+            conv.truncated = True
+            return False
+        return True
+
+    def _end_answer(self, conv: _Conversation) -> bool:
+        """Store the finished answer; False when the conversation cannot go on."""
+        truncated, conv.truncated = conv.truncated, False
+        text = self.tokenizer.decode(conv.answer, skip_special_tokens=True)
+        if not text.strip():
+            return False
+        message = {"role": "assistant", "content": text}
+        if truncated:
+            message["truncated"] = True
+        conv.out.append(message)
+        conv.generated += len(conv.answer)
+        self.stats.answers += 1
+        self.stats.generated_tokens += len(conv.answer)
+        conv.pos += 1  # the source's own answer is replaced
+        return True
+
+    def _start_turn(self, b: int, conv: _Conversation, cache, tokens) -> bool:
+        """Prefill the conversation up to its next answer into slot b; False when it has no
+        further user turn or no room for one."""
+        while conv.pos < len(conv.source) and conv.source[conv.pos]["role"] != "assistant":
+            conv.out.append(conv.source[conv.pos])
+            conv.pos += 1
+        if conv.pos >= len(conv.source):
+            return False
+        text = self.tokenizer.apply_chat_template(conv.out, add_generation_prompt=True, tokenize=False)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if len(ids) + MIN_ANSWER_ROOM > self.s.max_len:
+            return False
+        logits, _ = self.target(torch.tensor(ids), cache.slot(b), logits_rows=slice(-1, None))
+        cache.set_length(b, len(ids))
+        conv.prompt_len, conv.answer, conv.truncated = len(ids), [], False
+        first = int(self._choose(logits, [conv])[0])
+        if not self._accept(conv, first):
+            return self._end_answer(conv) and self._start_turn(b, conv, cache, tokens)
+        tokens[b] = first
+        return True
+
+    def _next_turn(self, b, slots, cache, tokens, jobs, write) -> None:
+        conv = slots[b]
+        if self._end_answer(conv) and self._start_turn(b, conv, cache, tokens):
+            return
+        self._finish(conv, write)
+        self._refill(b, slots, cache, tokens, jobs, write)
+
+    def _finish(self, conv: _Conversation, write) -> None:
+        self.stats.cut_tokens += conv.cut
+        answered = [m for m in conv.out if m.get("role") == "assistant"]
+        if not answered:
+            return
+        while conv.out and conv.out[-1].get("role") != "assistant":
+            conv.out.pop()  # a trailing user turn that got no answer
+        self.stats.conversations += 1
+        write({"source_index": conv.index, "messages": conv.out, "generated_tokens": conv.generated,
+               "cut_tokens": conv.cut, "mode": "sample" if conv.sampled else "greedy"})
+
+    def _refill(self, b, slots, cache, tokens, jobs, write) -> None:
+        for index, messages in jobs:
+            conv = _Conversation(index, messages, self._sampled(index))
+            if self._start_turn(b, conv, cache, tokens):
+                slots[b] = conv
+                return
+            if not any(m.get("role") == "assistant" for m in conv.out):
+                self.stats.skipped_too_long += 1
+            self._finish(conv, write)
+        slots[b] = None
+        cache.set_length(b, 0)
+
+    def _sampled(self, index: int) -> bool:
+        if self.s.mode == "sample":
+            return True
+        if self.s.sample_share <= 0:
+            return False
+        # a fixed, seed-dependent choice per conversation, so that a resumed run agrees
+        g = torch.Generator().manual_seed(self.s.seed * 1_000_003 + index)
+        return float(torch.rand(1, generator=g)) < self.s.sample_share
+
+
+def read_done(path: str) -> set[int]:
+    """Source indices already regenerated in ``path``; a torn last line (killed mid-write) is
+    removed so that appending continues cleanly."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(end)
+    done = set()
+    for line in data[:end].splitlines():
+        if line.strip():
+            done.add(int(json.loads(line)["source_index"]))
+    return done

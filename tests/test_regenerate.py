@@ -1,0 +1,158 @@
+"""Self-distilled data: batched decoding equals one-at-a-time decoding, regenerated answers equal
+the target's own greedy answers, loops are cut, evaluation prompts and duplicates are kept out,
+and a killed regeneration resumes without duplicates."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import make_tiny_target
+from jakiro.data.decontaminate import PromptFilter, evaluation_prompts, normalise_text
+from jakiro.data.questions import mtbench_path, read_questions
+from jakiro.data.regenerate import RegenSettings, Regenerator, read_done, repeated_tail
+from jakiro.models.target import TargetModel
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ([1, 2, 3, 4, 5, 6], None),  # no repetition
+    ([9, 1, 2, 3, 4, 5] * 2 + [7], None),  # two copies are not a loop
+    ([9] + [1, 2, 3, 4, 5, 6] * 3, 13),  # three copies: keep two
+    ([9] + [1, 2, 3, 4, 5] * 3, None),  # 15 tokens: a short block must span 16 ...
+    ([9] + [1, 2, 3, 4, 5] * 4, 11),  # ... so it needs four copies
+    ([5] + [7] * 16, 3),  # one token repeated over 16 positions: keep two
+    ([5] + [7] * 15, None),  # a short block must span 16 tokens
+    ([3] + [1, 2] * 8, 5),  # period 2
+])
+def test_repeated_tail_table(ids, expected):
+    assert repeated_tail(ids) == expected
+
+
+def test_decode_batch_equals_single_sequence_forward(tmp_path):
+    target = TargetModel.from_folder(make_tiny_target(str(tmp_path), "qwen2"))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 256, (n,), generator=g) for n in (7, 2, 13)]
+    cache = target.new_batch_cache(3, 40)
+    tokens = []
+    for b, p in enumerate(prompts):
+        logits, _ = target(p, cache.slot(b), logits_rows=slice(-1, None))
+        cache.set_length(b, len(p))
+        tokens.append(int(logits.argmax()))
+    seqs = [p.tolist() + [t] for p, t in zip(prompts, tokens)]
+    batched_logits = [[] for _ in prompts]
+    for _ in range(6):
+        logits, feats = target.decode_batch(torch.tensor([s[-1] for s in seqs]), cache)
+        cache.advance()
+        for b in range(3):
+            batched_logits[b].append(logits[b])
+            seqs[b].append(int(logits[b].argmax()))
+    for b, p in enumerate(prompts):
+        ref, _ = target(torch.tensor(seqs[b][:-1]), target.new_cache(40))
+        torch.testing.assert_close(torch.stack(batched_logits[b]), ref[len(p):], atol=1e-4, rtol=1e-4)
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Name three colours."}, {"role": "assistant", "content": "x"},
+     {"role": "user", "content": "And three animals?"}, {"role": "assistant", "content": "y"}],
+    [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "z"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}, {"role": "assistant", "content": "w"}],
+    [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "v"}],
+]
+
+
+def test_regenerated_answers_equal_plain_greedy_answers(smol):
+    engine = smol.engine("ar")
+    settings = RegenSettings(max_len=160, max_new_tokens=20, batch=3)
+    records = []
+    stats = Regenerator(smol.target, smol.tokenizer, engine.eos_ids, settings).run(
+        iter(enumerate(CONVERSATIONS)), records.append)
+    assert sorted(r["source_index"] for r in records) == [0, 1, 2, 3]
+    for rec in records:
+        msgs = rec["messages"]
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                assert m == CONVERSATIONS[rec["source_index"]][i]
+                continue
+            res = engine.generate(msgs[:i], 20)
+            assert m["content"] == res.text  # the target's own greedy answer, turn by turn
+            assert m.get("truncated", False) == (res.finish_reason == "length")
+    assert len(records[[r["source_index"] for r in records].index(0)]["messages"]) == 4  # both turns
+    assert stats.answers == 5 and stats.generated_tokens == sum(r["generated_tokens"] for r in records)
+
+
+def test_prompt_too_long_for_the_budget_is_skipped(smol):
+    settings = RegenSettings(max_len=64, max_new_tokens=8, batch=2)
+    long = [{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "a"}]
+    records = []
+    stats = Regenerator(smol.target, smol.tokenizer, smol.engine("ar").eos_ids, settings).run(
+        iter([(0, long), (1, CONVERSATIONS[3])]), records.append)
+    assert [r["source_index"] for r in records] == [1] and stats.skipped_too_long == 1
+
+
+def test_prompt_filter_removes_evaluation_questions_and_duplicates():
+    mt = read_questions(mtbench_path())[0]["turns"][0]
+    f = PromptFilter(evaluation_prompts())
+    convo = lambda text: [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]  # noqa: E731
+    assert not f.admit(convo(mt.upper() + " !!"))  # normalised exact match
+    words = normalise_text(mt).split()
+    assert len(words) >= 14
+    assert not f.admit(convo("Please help: " + " ".join(words[:14]) + " thanks"))  # 13-gram overlap
+    assert f.admit(convo("How do I bake bread at home?"))
+    assert not f.admit(convo("how do I bake bread at home"))  # same first turn
+    assert (f.contaminated, f.duplicates) == (2, 1)
+
+
+def test_truncated_answer_end_of_turn_is_not_a_training_target(smol):
+    from jakiro.train.dataset import tokenize_conversation
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    ids, mask = tokenize_conversation(smol.tokenizer, msgs, 100)
+    ids_t, mask_t = tokenize_conversation(smol.tokenizer, [msgs[0], dict(msgs[1], truncated=True)], 100)
+    assert ids == ids_t
+    end = smol.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    last = max(i for i, t in enumerate(ids) if t == end)
+    assert mask[last] == 1 and mask_t[:last] == mask[:last] and not any(mask_t[last:])
+
+
+def test_regeneration_resumes_after_a_kill_without_duplicates(tmp_path):
+    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    src = tmp_path / "src.jsonl"
+    mt = read_questions(mtbench_path())[1]["turns"][0]
+    rows = CONVERSATIONS + [[{"role": "user", "content": mt}, {"role": "assistant", "content": "u"}],
+                            CONVERSATIONS[1]]
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    cfg = dict(source=str(src), max_len=96, regenerate="greedy", regen_max_tokens=12, regen_batch=2)
+    out = tmp_path / "data"
+    build_dataset(str(out), DataConfig(None, max_records=2, **cfg), progress=False)
+    regen = out / "regenerated.jsonl"
+    with open(regen, "a") as f:
+        f.write('{"source_index": 3, "messa')  # killed in the middle of a line
+    state = build_dataset(str(out), DataConfig(None, max_records=6, **cfg), progress=False)
+    lines = regen.read_text().splitlines()
+    assert sorted(json.loads(x)["source_index"] for x in lines) == [0, 1, 2, 3]
+    assert read_done(str(regen)) == {0, 1, 2, 3}
+    # the MT-bench question (index 4) and the repeated conversation (index 5) never enter
+    assert state["regeneration_runs"][-1]["removed_evaluation"] == 1
+    assert state["records"] == 4 and len(FeatureDataset(str(out))) == 4
+    fresh = build_dataset(str(tmp_path / "fresh"), DataConfig(None, max_records=4, **cfg), progress=False)
+    assert fresh["records"] == 4
+    assert (tmp_path / "fresh" / "regenerated.jsonl").read_text() != ""
+
+
+def test_full_disk_while_writing_a_shard_is_a_clear_error(tmp_path, monkeypatch):
+    import os
+
+    import safetensors.torch
+
+    from jakiro.errors import JakiroError
+    from jakiro.train.dataset import _write_shard
+    record = ([1, 2, 3], [0, 1, 1], torch.zeros(3, 4))
+    _write_shard(str(tmp_path), 0, [record])
+
+    def full_disk(tensors, path):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(JakiroError, match="No space left on device.*earlier shards are intact"):
+        _write_shard(str(tmp_path), 1, [record])
+    assert sorted(os.listdir(tmp_path)) == ["shard-00000.safetensors"]  # no torn shard
