@@ -122,3 +122,16 @@ def test_missing_weight_is_a_clear_error(tmp_path, tiny_llama_dir):
     (tmp_path / "config.json").write_text(open(os.path.join(tiny_llama_dir, "config.json")).read())
     with pytest.raises(JakiroError, match="missing weight 'model.layers.1.mlp.down_proj.weight'"):
         TargetModel.from_folder(str(tmp_path))
+
+
+def test_weight_bytes_counts_each_streamed_weight_once(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from jakiro.bench.cost_curve import weight_bytes
+    for model_type in ("llama", "qwen2"):  # tied head; untied head with q/k/v biases
+        folder = make_tiny_target(str(tmp_path / model_type), model_type)
+        hf = AutoModelForCausalLM.from_pretrained(folder)
+        params = sum(p.numel() for p in hf.parameters())  # tied weights are one parameter
+        if model_type == "qwen2":
+            params -= hf.model.embed_tokens.weight.numel()  # only gathered from, never streamed
+        assert weight_bytes(TargetModel.from_folder(folder)) == params * 4

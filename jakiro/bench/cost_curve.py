@@ -1,5 +1,7 @@
-"""Target cost curve (forward time vs number of new tree tokens at a fixed context) and plain
-greedy decoding tokens/s of our runtime vs Hugging Face ``generate``, measured alternately."""
+"""Target cost curve (forward time vs number of new tree tokens at a fixed context), judged
+against the machine's memory floor (the time to stream the target's weights once, measured in
+the same run), the draft's cost per step and per cycle for each shipped draft, and plain greedy
+decoding tokens/s of our runtime vs Hugging Face ``generate``, measured alternately."""
 
 from __future__ import annotations
 
@@ -40,14 +42,80 @@ def forward_costs(target, context: int, repeats: int, sizes=TREE_SIZES) -> dict[
     return costs
 
 
+def weight_bytes(target) -> int:
+    """Bytes of weights one forward streams (every matrix and norm once; the LM head once)."""
+    total = target.norm.numel()  # the embedding is only gathered from: one row per token
+    for layer in target.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            total += lin.weight_t.numel() + (lin.bias.numel() if lin.bias is not None else 0)
+        total += layer.input_norm.numel() + layer.post_norm.numel()
+    total += target.lm_head.weight_t.numel()
+    return total * target.embed.element_size()
+
+
+def memory_floor_ms(nbytes: int, repeats: int) -> float:
+    """Median ms to read ``nbytes`` once (a sum over a buffer of that size): the least time any
+    forward that streams that many bytes of weights can take on this machine."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    return _median_ms(lambda: buf.sum(), repeats)
+
+
+def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> dict:
+    """For the shipped ``method`` draft: one draft step over ``nodes`` frontier nodes (the draft
+    forward plus its head), and one whole proposal with the draft's default tree."""
+    from ..api import shipped_draft
+    from ..decoding.proposers import DraftProposer, TreeBudget
+    from ..draft import load_draft
+
+    draft = load_draft(shipped_draft(method), jk.target)
+    gen = torch.Generator().manual_seed(0)
+    d = draft.config.hidden_size
+    cache = draft.new_cache(context + 64)
+    with torch.inference_mode():
+        draft(torch.randn(1, context, d, generator=gen), torch.randint(0, 1000, (1, context), generator=gen),
+              torch.arange(context), cache)
+        cache.commit(context)
+        feats = torch.randn(1, nodes, d, generator=gen)
+        toks = torch.randint(0, 1000, (1, nodes), generator=gen)
+        positions = torch.full((nodes,), context)
+        mask = torch.cat((torch.ones(nodes, context, dtype=torch.bool), torch.eye(nodes, dtype=torch.bool)), 1)
+
+        def step():
+            out = draft(feats, toks, positions, cache, mask)
+            return draft.head_logits(out.blend)
+        step_ms = _median_ms(step, repeats)
+
+    proposer = DraftProposer(draft, TreeBudget())
+    proposer.start(context + 4 * repeats + 64)
+    ids = torch.randint(0, 1000, (context,), generator=gen).tolist()
+    proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [7]))
+    proposer.propose(ids)
+
+    def cycle():
+        proposer.observe(torch.randn(1, d, generator=gen), torch.tensor([7]))
+        proposer.propose(ids)
+    return {"draft": shipped_draft(method), "head_vocab": draft.config.draft_vocab_size,
+            "step_ms": round(step_ms, 2), "step_nodes": nodes,
+            "propose_ms": round(_median_ms(cycle, repeats), 2),
+            "tree": {"depth": proposer.budget.depth, "top_k": proposer.budget.top_k,
+                     "total_tokens": proposer.budget.total_tokens}}
+
+
 def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int, repeats: int,
                    new_tokens: int, rounds: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from ..api import load
+    from ..api import load, shipped_draft
 
     jk = load(target_path, cache_dir=cache_dir)
+    nbytes = weight_bytes(jk.target)
+    floor = memory_floor_ms(nbytes, repeats)
     costs = forward_costs(jk.target, context, repeats)
+    drafts = {m: draft_costs(jk, m, context, repeats) for m in ("eagle2", "jakiro")
+              if target_path is None and shipped_draft(m)}
+    for d in drafts.values():
+        d["step_x_t1"] = round(d["step_ms"] / costs[1], 3)
+        d["propose_x_t1"] = round(d["propose_ms"] / costs[1], 3)
     engine = jk.engine("ar")
     ids = engine.encode(PROMPT)
     hf = AutoModelForCausalLM.from_pretrained(jk.target_path, dtype=torch.float32).eval()
@@ -68,10 +136,17 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         "target": jk.target_path,
         "threads": torch.get_num_threads(),
         "context": context,
+        "weights_mb": round(nbytes / 1e6, 1),
+        "memory_floor_ms": round(floor, 2),
         "forward_ms": {str(n): round(ms, 2) for n, ms in costs.items()},
+        "forward_x_floor": {str(n): round(ms / floor, 2) for n, ms in costs.items()},
+        "forward_x_t1": {str(n): round(ms / costs[1], 2) for n, ms in costs.items()},
+        "draft_cost": drafts,
         "plain_decoding": {
             "new_tokens": new_tokens, "rounds": rounds,
             "ours_tokens_per_s": round(ours, 2), "hf_generate_tokens_per_s": round(theirs, 2),
             "ratio": round(ours / theirs, 3), "same_tokens": same,
+            "floor_tokens_per_s": round(1000 / floor, 1),
+            "ours_x_floor_rate": round(ours / (1000 / floor), 3),
         },
     }
