@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import JakiroError
@@ -72,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--default-max-tokens", type=int, default=256,
                     help="completion length when a request gives no max_tokens")
     sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    sv.add_argument("--api-key", default=os.environ.get("JAKIRO_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAKIRO_API_KEY, else none)")
+    sv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get HTTP 413")
+    sv.add_argument("--allowed-hosts", help="comma-separated Host header names to answer (default: loopback "
+                    "names when --host is loopback, any otherwise)")
+    sv.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection may take to send a request head")
+    sv.add_argument("--max-connections", type=int, default=64, help="concurrent connections; more get HTTP 503")
+    sv.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs and /redoc")
     _add_session_args(sv)
 
     ch = sub.add_parser("chat", help="interactive terminal chat with streamed replies")
@@ -216,9 +226,16 @@ def cmd_serve(args) -> int:
         raise JakiroError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.default_max_tokens < 1:
         raise JakiroError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    for name in ("max_body_bytes", "max_connections"):
+        if getattr(args, name) < 1:
+            raise JakiroError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.header_timeout > 0:
+        raise JakiroError(f"--header-timeout must be > 0, got {args.header_timeout}")
+    hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None
     jk = _load_for_session(args)
     serve(jk, args.host, args.port, None, args.model_name, args.max_queue, args.default_max_tokens,
-          args.log_level)
+          args.log_level, args.api_key, args.max_body_bytes, hosts, args.docs, args.header_timeout,
+          args.max_connections)
     return 0
 
 

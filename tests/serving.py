@@ -1,4 +1,5 @@
-"""Run a jakiro app with uvicorn on a free loopback port in a background thread."""
+"""Run a jakiro app with uvicorn (and jakiro serve's transport limits) on a free loopback port in a
+background thread."""
 
 import threading
 import time
@@ -7,8 +8,9 @@ import uvicorn
 
 
 class ServerThread:
-    def __init__(self, app):
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    def __init__(self, app, **limits):
+        from jakiro.serve.transport import server_config
+        config = server_config(app, "127.0.0.1", 0, "warning", lifespan="on", **limits)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -116,9 +116,10 @@ class Engine:
     def method(self) -> str:
         return self.proposer.name
 
-    def encode(self, prompt, chat: bool = True) -> list[int]:
+    def encode(self, prompt, chat: bool = True, tools: list | None = None) -> list[int]:
         """A string (wrapped in the chat template when the tokenizer has one and ``chat``), a
-        list of {role, content} messages, or a list of token ids."""
+        list of {role, content} messages, or a list of token ids. ``tools`` (OpenAI function
+        tools) are passed to templates that render them."""
         tok = self.tokenizer
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
@@ -133,7 +134,7 @@ class Engine:
                               "{'role': str, 'content': str} messages")
         if not getattr(tok, "chat_template", None):
             raise JakiroError("this tokenizer has no chat template: pass a plain string prompt")
-        text = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=False)
         return tok(text, add_special_tokens=False).input_ids
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:

@@ -9,6 +9,11 @@ import torch
 
 from ..errors import JakiroError
 
+# Temperatures below this are greedy: dividing float32 logits by a smaller number overflows them
+# (the same cut-off vLLM uses). Seeds are 64-bit, as torch's generators take them.
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,10 +33,13 @@ class SamplingParams:
             raise JakiroError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise JakiroError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise JakiroError(f"seed must be a 64-bit integer (between {SEED_RANGE[0]} and {SEED_RANGE[1]})")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or so close to 0 that sampling would be greedy anyway."""
+        return self.temperature < GREEDY_BELOW
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()

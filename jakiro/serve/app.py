@@ -4,7 +4,9 @@ server-sent-event streaming), /health and Prometheus /metrics."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import hmac
 import json
 import os
 import re
@@ -22,6 +24,9 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .scheduler import Job, QueueFull, Scheduler
 
 DISCONNECT_POLL_S = 0.25
+MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits the context; 413 beyond it
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 
 class _ClientGone(Exception):
@@ -37,12 +42,28 @@ def _error(exc: P.APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+def _host_name(host_header: str) -> str:
+    """'example.com:8000' -> 'example.com', '[::1]:8000' -> '::1'."""
+    if host_header.startswith("["):
+        return host_header[1:].split("]", 1)[0]
+    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+
+
 def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = None,
-               max_queue: int = 16, default_max_tokens: int = 256) -> FastAPI:
+               max_queue: int = 16, default_max_tokens: int = 256, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
+               docs: bool = False) -> FastAPI:
+    """The app. ``api_key``: required as ``Authorization: Bearer KEY`` on /v1 routes.
+    ``allowed_hosts``: Host header names accepted (None: any), against DNS rebinding.
+    ``docs``: serve the interactive API docs (/docs, /redoc, /openapi.json)."""
     engine = jk.engine(method)
     name = model_name or served_name(jk.target_path)
-    # the HTTP side encodes prompts with its own tokenizer: the engine thread uses the other one
+    # the HTTP side encodes prompts with its own tokenizer, on its own thread (off the event
+    # loop, never concurrently with itself): the engine thread uses the other one
     encoder = Engine(jk.target, load_tokenizer(jk.target_path))
+    template = getattr(encoder.tokenizer, "chat_template", None) or ""
+    template_has_tools = isinstance(template, str) and "tool_calls" in template
+    cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jakiro-encode")
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, max_queue, on_done=metrics.record, on_cancel=metrics.cancelled.inc)
     metrics.track_queue(scheduler)
@@ -52,19 +73,55 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
     async def lifespan(app):
         yield
         scheduler.close()
+        cpu.shutdown(wait=False)
 
-    app = FastAPI(title="jakiro", description="OpenAI-compatible speculative decoding server", lifespan=lifespan)
+    doc_routes = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="jakiro", description="OpenAI-compatible speculative decoding server", lifespan=lifespan,
+                  **doc_routes)
     app.state.scheduler, app.state.metrics, app.state.engine = scheduler, metrics, engine
+
+    def count(request: Request, status: int) -> None:
+        if request.url.path in GENERATION_PATHS:
+            metrics.requests.labels(request.url.path, str(status)).inc()
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """Checks that need no body: Host, API key, media type and declared size."""
+        error = None
+        host = _host_name(request.headers.get("host", ""))
+        if allowed_hosts is not None and host not in allowed_hosts:
+            error = P.APIError(400, "this server does not answer for that Host header", None, "invalid_host")
+        elif api_key and request.url.path.startswith("/v1/") and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
+            error = P.APIError(401, "a valid API key is required (Authorization: Bearer ...)", None,
+                               "invalid_api_key", type="authentication_error")
+        elif request.method == "POST" and request.url.path in GENERATION_PATHS:
+            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            length = request.headers.get("content-length")
+            if ctype != "application/json":
+                # also what keeps a page on another origin from posting here without a CORS preflight
+                error = P.APIError(415, "the request body must be sent as Content-Type: application/json",
+                                   None, "unsupported_media_type")
+            elif length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+                error = P.APIError(413, f"the request body is larger than this server's limit "
+                                   f"({max_body_bytes} bytes)", None, "request_too_large")
+        if error is not None:
+            count(request, error.status)
+            return _error(error)
+        return await call_next(request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         code = "not_found" if exc.status_code == 404 else None
+        count(request, exc.status_code)
         return JSONResponse(P.APIError(exc.status_code, str(exc.detail), None, code).body(),
                             status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
-        return JSONResponse(P.APIError(500, f"internal error: {exc}", type="server_error").body(), status_code=500)
+        count(request, 500)
+        return JSONResponse(P.APIError(500, f"internal error: {type(exc).__name__}", type="server_error").body(),
+                            status_code=500)
 
     @app.get("/health")
     async def health():
@@ -88,12 +145,33 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != name:
-            return _error(P.APIError(404, f"the model '{model_id}' does not exist", "model", "model_not_found"))
+            return _error(P.APIError(404, f"the model '{P.clip(model_id)}' does not exist", "model",
+                                     "model_not_found"))
         return model_card()
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused with 413 as soon as it passes the limit (chunked bodies included)."""
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise P.APIError(413, f"the request body is larger than this server's limit ({max_body_bytes} "
+                                 "bytes)", None, "request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse_and_prepare(raw: bytes, kind: str, param: str) -> tuple[P.GenRequest, list[int], int]:
+        """JSON parsing, validation and tokenisation: CPU work, run on the encoder thread."""
+        body = P.parse_body(raw)
+        req = P.parse_chat(body, [name]) if kind == "chat" else P.parse_completion(body, [name])
+        return (req, *prepare(req, param))
+
     def prepare(req: P.GenRequest, param: str) -> tuple[list[int], int]:
+        prompt, tools = req.prompt, None
+        if req.kind == "chat":
+            prompt, tools = P.render_tools(req.prompt, req.tools, template_has_tools)
         try:
-            ids = encoder.encode(req.prompt, chat=req.kind == "chat")
+            ids = encoder.encode(prompt, chat=req.kind == "chat", tools=tools)
         except JakiroError as exc:
             raise P.bad(str(exc), param) from None
         if not ids:
@@ -119,11 +197,11 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
 
     async def handle(request: Request, kind: str, endpoint: str):
         param = "messages" if kind == "chat" else "prompt"
+        loop = asyncio.get_running_loop()
         try:
-            body = P.parse_body(await request.body())
-            req = P.parse_chat(body, [name]) if kind == "chat" else P.parse_completion(body, [name])
-            ids, max_tokens = prepare(req, param)
-            job = Job(ids, max_tokens, req.sampling, req.stop, asyncio.get_running_loop(), req.stream)
+            raw = await read_body(request)
+            req, ids, max_tokens = await loop.run_in_executor(cpu, parse_and_prepare, raw, kind, param)
+            job = Job(ids, max_tokens, req.sampling, req.stop, loop, req.stream)
             try:
                 scheduler.submit(job)
             except QueueFull:
@@ -132,7 +210,10 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
                                  type="rate_limit_error") from None
         except P.APIError as exc:
             metrics.requests.labels(endpoint, str(exc.status)).inc()
-            return _error(exc)
+            response = _error(exc)
+            if exc.status == 429:
+                response.headers["Retry-After"] = "1"
+            return response
         rid, stamp = P.new_id(kind), P.now()
         if req.stream:
             return StreamingResponse(sse(job, req, rid, stamp, request, endpoint), media_type="text/event-stream",
@@ -214,10 +295,29 @@ def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def default_allowed_hosts(host: str) -> list[str] | None:
+    """On loopback only loopback names are answered (a page cannot rebind its own name to us);
+    on another address any Host is, unless the operator names them."""
+    return list(LOOPBACK_HOSTS) if host in LOOPBACK_HOSTS else None
+
+
 def serve(jk: Jakiro, host: str = "127.0.0.1", port: int = 8000, method: str | None = None,
           model_name: str | None = None, max_queue: int = 16, default_max_tokens: int = 256,
-          log_level: str = "info") -> None:
+          log_level: str = "info", api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+          allowed_hosts: list[str] | None = None, docs: bool = False,
+          header_timeout: float | None = None, max_connections: int | None = None) -> None:
     import uvicorn
-    app = create_app(jk, method, model_name, max_queue, default_max_tokens)
+
+    from .transport import HEADER_TIMEOUT_S, MAX_CONNECTIONS, server_config
+    app = create_app(jk, method, model_name, max_queue, default_max_tokens, api_key, max_body_bytes,
+                     allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host), docs)
     jk.engine(method).generate("Hello", 4)  # warm-up, so that the first client is not the slow one
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    config = server_config(app, host, port, log_level, header_timeout or HEADER_TIMEOUT_S,
+                           max_connections or MAX_CONNECTIONS, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises it after a graceful shutdown
+        pass
+    if not server.started:
+        raise JakiroError(f"could not serve on {host}:{port} (see the log above)")

@@ -12,7 +12,8 @@ from ..decoding.sampling import SamplingParams
 from ..errors import JakiroError
 
 MAX_STOP = 4
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+MAX_ECHO = 64  # characters of a client-supplied name quoted back in an error message
 
 
 class APIError(Exception):
@@ -42,16 +43,43 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    tools: list | None = None  # OpenAI function tools, for templates that render them
 
 
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, integers over the digit limit
         raise bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    _reject_lone_surrogates(body)
     return body
+
+
+def _reject_lone_surrogates(body) -> None:
+    """JSON may escape half a UTF-16 pair (``"\\ud800"``), which no tokenizer (or UTF-8 encoder)
+    accepts: refuse it here, naming the field."""
+    stack = [(body, None)]
+    while stack:
+        value, field_ = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, field_ or k))
+                stack.append((v, field_ or k))
+        elif isinstance(value, list):
+            stack.extend((v, field_) for v in value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad("the request contains a lone UTF-16 surrogate (invalid Unicode text)", field_) from None
+
+
+def clip(text: str) -> str:
+    return text if len(text) <= MAX_ECHO else text[:MAX_ECHO] + "..."
 
 
 def _is_int(v) -> bool:
@@ -83,7 +111,7 @@ def _sampling(body: dict) -> SamplingParams:
     try:
         return SamplingParams(float(temperature), float(top_p), max(0, top_k), seed)
     except JakiroError as exc:
-        raise bad(str(exc)) from None
+        raise bad(str(exc), str(exc).split(" ", 1)[0] if str(exc).startswith("seed") else None) from None
 
 
 def _stop(body: dict) -> list[str]:
@@ -122,7 +150,7 @@ def _common(body: dict, kind: str, prompt, served: list[str]) -> GenRequest:
     if not isinstance(model, str):
         raise bad("'model' must be a string", "model")
     if model not in served:
-        raise APIError(404, f"the model '{model}' does not exist (this server has: {', '.join(served)})",
+        raise APIError(404, f"the model '{clip(model)}' does not exist (this server has: {', '.join(served)})",
                        "model", "model_not_found")
     _unsupported(body)
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
@@ -139,7 +167,10 @@ def _common(body: dict, kind: str, prompt, served: list[str]) -> GenRequest:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
-    return GenRequest(kind, model, prompt, max_tokens, _sampling(body), _stop(body), stream, include_usage)
+    tools = _optional(body, "tools", lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v),
+                      "a list of tool objects")
+    return GenRequest(kind, model, prompt, max_tokens, _sampling(body), _stop(body), stream, include_usage,
+                      tools or None)
 
 
 def _message_text(content, i: int) -> str:
@@ -167,12 +198,79 @@ def parse_chat(body: dict, served: list[str]) -> GenRequest:
             raise bad(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
         role = m.get("role")
         if role not in ROLES:
-            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", "messages")
-        if m.get("content") is None:
+            raise bad(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {json.dumps(role)[:MAX_ECHO]}",
+                      "messages")
+        calls = m.get("tool_calls")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list)
+                                  or not all(isinstance(c, dict) for c in calls)):
+            raise bad(f"messages[{i}].tool_calls must be a list of objects on an assistant message", "messages")
+        if m.get("content") is None and not (role == "assistant" and (calls or m.get("function_call"))):
             raise bad(f"messages[{i}].content is required", "messages")
-        clean.append({"role": "system" if role == "developer" else role,
-                      "content": _message_text(m["content"], i)})
+        out = {"role": "system" if role == "developer" else role,
+               "content": "" if m.get("content") is None else _message_text(m["content"], i)}
+        if calls:
+            out["tool_calls"] = [_tool_call(c, i) for c in calls]
+        elif isinstance(m.get("function_call"), dict):  # the older single-call form
+            out["tool_calls"] = [_tool_call({"type": "function", "function": m["function_call"]}, i)]
+        for key in ("name", "tool_call_id"):
+            if isinstance(m.get(key), str):
+                out[key] = m[key]
+        clean.append(out)
     return _common(body, "chat", clean, served)
+
+
+def _tool_call(call: dict, i: int) -> dict:
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad(f"messages[{i}].tool_calls: each call needs a function with a name", "messages")
+    args = fn.get("arguments", "{}")
+    if not isinstance(args, str):
+        args = json.dumps(args)
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def render_tools(messages: list[dict], tools: list | None, template_has_tools: bool) -> tuple[list[dict], list | None]:
+    """Messages and tools for the chat template. A template that renders tools gets them as they
+    are (arguments parsed back to objects, as Hugging Face templates expect). Otherwise the plain
+    rendering: tool calls are appended to the assistant's text as ``<tool_call>{json}</tool_call>``,
+    tool and function results become user turns wrapped in ``<tool_response>`` tags, and the
+    tools are listed in a system message (the Hermes/Qwen2.5 conventions)."""
+    if template_has_tools:
+        out = []
+        for m in messages:
+            m = dict(m)
+            if "tool_calls" in m:
+                m["tool_calls"] = [{**c, "function": {"name": c["function"]["name"],
+                                                      "arguments": _loads_or_text(c["function"]["arguments"])}}
+                                   for c in m["tool_calls"]]
+            out.append(m)
+        return out, tools
+    out = []
+    if tools:
+        listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        out.append({"role": "system", "content": "You may call these functions. To call one, answer with "
+                    "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\n" + listing})
+    for m in messages:
+        if m["role"] in ("tool", "function"):
+            name = f' name="{m["name"]}"' if m.get("name") else ""
+            out.append({"role": "user", "content": f"<tool_response{name}>\n{m['content']}\n</tool_response>"})
+        elif m.get("tool_calls"):
+            calls = "".join(f"\n<tool_call>{json.dumps({'name': c['function']['name'], 'arguments': _loads_or_text(c['function']['arguments'])}, ensure_ascii=False)}</tool_call>"
+                            for c in m["tool_calls"])
+            out.append({"role": m["role"], "content": (m["content"] + calls).lstrip("\n")})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    return out, None
+
+
+def _loads_or_text(arguments: str):
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def parse_completion(body: dict, served: list[str]) -> GenRequest:

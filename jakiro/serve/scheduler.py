@@ -5,7 +5,7 @@ job cancelled by its client is dropped before it starts or stopped at its next d
 from __future__ import annotations
 
 import asyncio
-import queue
+import collections
 import threading
 import traceback
 from typing import Callable
@@ -41,7 +41,9 @@ class Scheduler:
                  on_cancel: Callable | None = None):
         self.engine = engine
         self.max_queue = max_queue
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
         self._on_done, self._on_cancel = on_done, on_cancel
         self.busy = False
         self._thread = threading.Thread(target=self._run, name="jakiro-engine", daemon=True)
@@ -49,39 +51,58 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        """Requests waiting for the engine whose clients are still there."""
+        with self._cond:
+            self._drop_cancelled()
+            return len(self._waiting)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def _drop_cancelled(self) -> None:
+        """Free the slots of waiting jobs whose clients left (call with the lock held)."""
+        if any(j.cancelled.is_set() for j in self._waiting):
+            kept = [j for j in self._waiting if not j.cancelled.is_set()]
+            dropped = len(self._waiting) - len(kept)
+            self._waiting = collections.deque(kept)
+            if self._on_cancel:
+                for _ in range(dropped):
+                    self._on_cancel()
+
     def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull() from None
+        with self._cond:
+            self._drop_cancelled()
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull()
+            self._waiting.append(job)
+            self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
-        while True:  # cancel whatever still waits, then stop the worker
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
+        with self._cond:  # cancel whatever still waits, then stop the worker
+            for job in self._waiting:
                 job.cancel()
                 job.emit("cancelled")
-        self._queue.put(None)
+            self._waiting.clear()
+            self._closed = True
+            self._cond.notify()
         self._thread.join(timeout)
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while True:
+                self._drop_cancelled()
+                if self._closed:
+                    return None
+                if self._waiting:
+                    return self._waiting.popleft()
+                self._cond.wait()
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._next()
             if job is None:
                 return
-            if job.cancelled.is_set():
-                if self._on_cancel:
-                    self._on_cancel()
-                continue
             self.busy = True
             try:
                 self._serve(job)
