@@ -9,8 +9,8 @@ from .decoding.engine import Engine, GenerationResult
 from .decoding.proposers import DraftProposer, PromptLookupProposer, Proposer, TreeBudget
 from .decoding.sampling import SamplingParams
 from .errors import JakiroError
+from .methods import METHODS
 
-METHODS = ("ar", "pld", "eagle2", "jakiro")
 SHIPPED_DRAFTS_DIR = os.path.join(os.path.dirname(__file__), "drafts")
 
 
@@ -38,11 +38,15 @@ class Jakiro:
 
     def add_method(self, method: str, draft: str | None = None, budget: TreeBudget | None = None,
                    candidate_mode: str | None = None, parallel_decoding: bool | None = None,
-                   pld_tokens: int = 6, cache_dir: str | None = None) -> Engine:
+                   pld_tokens: int = 6, cache_dir: str | None = None, adaptive: bool = True) -> Engine:
         """Set up ``method``. Without an explicit ``budget`` a draft uses the tree saved by
-        ``jakiro tune`` for it, else the default tree."""
+        ``jakiro tune`` for it, else the default tree. With ``adaptive`` (the default, for drafts
+        without an explicit budget: the user's tree wins) each cycle drafts only what pays on
+        this machine (``decoding.adaptive``)."""
         if method not in METHODS:
             raise JakiroError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        name, lookup = method, method.endswith("+pld")
+        method = method.removesuffix("+pld")
         proposer: Proposer
         tuned = None
         if method == "ar":
@@ -58,6 +62,7 @@ class Jakiro:
             model = load_draft(draft, self.target)
             if model.config.method != method:
                 raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
+            explicit = budget is not None
             if budget is None:
                 tuned = tuned_budget(draft, cache_dir)
                 budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
@@ -69,9 +74,13 @@ class Jakiro:
                 raise JakiroError(str(exc)) from None
             if tuned and tuned.get("draft_vocab"):
                 proposer.head_vocab = tuned["draft_vocab"]
+            if (adaptive and not explicit) or lookup:
+                from .decoding.adaptive import AdaptiveProposer
+                proposer = AdaptiveProposer(proposer, self.target, adaptive=adaptive and not explicit,
+                                            lookup=PromptLookupProposer(num_tokens=pld_tokens) if lookup else None)
         engine = Engine(self.target, self.tokenizer, proposer)
         engine.tuned = tuned is not None
-        self.engines[method] = engine
+        self.engines[name] = engine
         return engine
 
     def engine(self, method: str | None = None) -> Engine:
@@ -111,9 +120,10 @@ def tree_budget(depth: int | None = None, top_k: int | None = None,
 def load(target: str | None = None, draft: str | None = None, method: str | None = None,
          depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
          candidate_mode: str | None = None, parallel_decoding: bool | None = None,
-         cache_dir: str | None = None) -> Jakiro:
+         cache_dir: str | None = None, adaptive: bool = True) -> Jakiro:
     """Load a target (default: SmolLM2-135M-Instruct) and set up ``method`` (default: the draft's
-    method when a draft is given, else plain decoding)."""
+    method when a draft is given, else plain decoding). ``adaptive=False`` keeps the draft's
+    fixed tree every cycle."""
     from .models.hub import resolve_target
     from .models.target import TargetModel
 
@@ -125,6 +135,6 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
         method = read_draft_config(draft).method
     method = method or "ar"
     jk.add_method(method, draft, tree_budget(depth, top_k, total_tokens), candidate_mode, parallel_decoding,
-                  cache_dir=cache_dir)
+                  cache_dir=cache_dir, adaptive=adaptive)
     jk.default_method = method
     return jk

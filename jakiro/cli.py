@@ -8,6 +8,7 @@ import os
 import sys
 
 from .errors import JakiroError
+from .methods import METHODS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,11 +31,14 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-tokens", type=int, help="draft tokens verified per cycle")
     p.add_argument("--candidates", choices=("decoupled", "blended"), help="Jakiro candidate mode")
     p.add_argument("--no-parallel", action="store_true", help="Jakiro: disable contrastive parallel decoding")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="drafts: verify the same tree every cycle instead of drafting only what pays "
+                        "(explicit --depth/--tree-top-k/--total-tokens also fix the tree)")
 
 
 def _add_session_args(p: argparse.ArgumentParser) -> None:
     """Model options of the long-running commands (serve, chat); see ``_load_for_session``."""
-    p.add_argument("--method", choices=("ar", "pld", "eagle2", "jakiro"),
+    p.add_argument("--method", choices=METHODS,
                    help="decoding method (default: the draft's method; jakiro for the default model)")
     _add_target_args(p)
     _add_tree_args(p)
@@ -56,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--method", choices=("ar", "pld", "eagle2", "jakiro"))
+    g.add_argument("--method", choices=METHODS,
+                   help="decoding method; +pld adds prompt-lookup branches to the draft's tree")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--compare", action="store_true",
@@ -138,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
     _add_target_args(b)
     b.add_argument("--questions", required=True, help="question JSONL path, or 'mt-bench'")
-    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,jakiro-blended")
+    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,jakiro-blended,eagle2-fixed,jakiro-fixed "
+                   "(-fixed: the draft's fixed tree every cycle)")
     b.add_argument("--draft", action="append", default=[], metavar="NAME=PATH", help="draft per method")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--max-new-tokens", type=int, default=256)
@@ -173,19 +179,20 @@ def cmd_generate(args) -> int:
             v is not None for v in (args.depth, args.tree_top_k, args.total_tokens)):
         raise JakiroError("--depth/--tree-top-k/--total-tokens apply to eagle2 and jakiro drafts")
     jk = load(args.target, args.draft, args.method, args.depth, args.tree_top_k, args.total_tokens,
-              args.candidates, False if args.no_parallel else None, args.cache_dir)
+              args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive)
     engine = jk.engine()
     stream_out = not args.json
     result = engine.generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw,
                              on_text=(lambda t: print(t, end="", flush=True)) if stream_out else None)
     out = {"method": result.method, "text": result.text, "token_ids": result.token_ids,
            "finish_reason": result.finish_reason, **result.metrics.as_dict()}
-    if hasattr(engine.proposer, "budget"):
-        b = engine.proposer.budget
+    drafter = getattr(engine.proposer, "inner", engine.proposer)  # the draft inside cost-aware drafting
+    if hasattr(drafter, "budget"):
+        b = drafter.budget
         out["tree"] = {"depth": b.depth, "top_k": b.top_k, "total_tokens": b.total_tokens,
-                       "candidate_mode": engine.proposer.mode, "parallel_decoding": engine.proposer.parallel,
-                       "draft_vocab": engine.proposer.head_vocab or engine.proposer.draft.config.draft_vocab_size,
-                       "tuned": getattr(engine, "tuned", False)}
+                       "candidate_mode": drafter.mode, "parallel_decoding": drafter.parallel,
+                       "draft_vocab": drafter.head_vocab or drafter.draft.config.draft_vocab_size,
+                       "tuned": getattr(engine, "tuned", False), "adaptive": drafter is not engine.proposer}
     if args.compare and result.method != "ar":
         base = jk.engine("ar").generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
         out["ar_tokens_per_s"] = base.metrics.tokens_per_s
@@ -215,7 +222,7 @@ def _load_for_session(args):
     if method in ("ar", "pld") and any(v is not None for v in (args.depth, args.tree_top_k, args.total_tokens)):
         raise JakiroError("--depth/--tree-top-k/--total-tokens apply to eagle2 and jakiro drafts")
     return load(args.target, args.draft, method, args.depth, args.tree_top_k, args.total_tokens,
-                args.candidates, False if args.no_parallel else None, args.cache_dir)
+                args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive)
 
 
 def cmd_serve(args) -> int:

@@ -97,7 +97,7 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
         {k: r[k] for k in ("depth", "top_k", "total_tokens", "parallel_decoding")} for r in finalists]
     assert os.path.exists(result["saved_to"])
     jk = jakiro.load(tiny_chat_target, tiny_draft, cache_dir=str(tmp_path / "cache"))
-    proposer = jk.engine().proposer
+    proposer = jk.engine().proposer.inner  # the tuned tree is what cost-aware drafting cuts from
     budget = proposer.budget
     assert (budget.depth, budget.top_k, budget.total_tokens) == (best["depth"], best["top_k"], best["total_tokens"])
     assert proposer.parallel == best["parallel_decoding"]
@@ -105,9 +105,9 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
     assert jk.engine().tuned is True
     # the saved choice is for this draft only; an explicit option still wins over it
     assert jakiro.load(tiny_chat_target, tiny_draft, parallel_decoding=not best["parallel_decoding"],
-                       cache_dir=str(tmp_path / "cache")).engine().proposer.parallel != best["parallel_decoding"]
+                       cache_dir=str(tmp_path / "cache")).engine().proposer.inner.parallel != best["parallel_decoding"]
     explicit = jakiro.load(tiny_chat_target, tiny_draft, depth=5, cache_dir=str(tmp_path / "cache"))
-    assert explicit.engine().proposer.budget.depth == 5 and explicit.engine().tuned is False
+    assert explicit.engine().proposer.budget.depth == 5 and explicit.engine().tuned is False  # fixed tree
 
 
 def test_interrupted_bench_resumes_and_other_settings_are_refused(tmp_path, tiny_chat_target, monkeypatch):

@@ -146,6 +146,37 @@ def test_jakiro_draft_sampling_matches_plain(tiny_small_vocab, params):
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
+@pytest.mark.parametrize("params", list(PARAM_SETS))
+def test_cost_aware_drafting_sampling_matches_plain(tiny_small_vocab, params):
+    """Cycles that switch between drafting (pruned trees) and plain steps within a request, with
+    prompt-lookup branches merged into the trees (hybrid trees)."""
+    from jakiro.decoding.adaptive import AdaptiveProposer, CostTable
+    from jakiro.decoding.proposers import PromptLookupProposer
+    target, tok, prompt = tiny_small_vocab
+    kw = PARAM_SETS[params]
+    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", num_experts=3,
+                                 experts_per_token=2, draft_vocab_size=24)
+    torch.manual_seed(1)
+    draft = DraftModel(cfg).eval()
+    draft.reset_parameters(std=0.3)
+    draft.attach_target(target.embed, target.lm_head.weight)
+    # drafting pays under the optimistic prior and stops paying after a cycle that accepts nothing
+    costs = CostTable({1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 8: 2.4, 16: 4.0}, {1: 0.3, 2: 0.5, 3: 0.7})
+    proposer = AdaptiveProposer(DraftProposer(draft, TreeBudget(depth=3, top_k=3, total_tokens=10)), target, costs,
+                                lookup=PromptLookupProposer(num_tokens=3))
+    engine = Engine(target, tok, proposer)
+    plain = drafted = from_lookup = 0
+    samples = []
+    for i in range(N_SAMPLES):
+        res = engine.generate(prompt, 3, SamplingParams(seed=i, **kw))
+        samples.append(tuple(res.token_ids[:3]))
+        plain += res.metrics.plain_steps
+        drafted += res.metrics.target_forwards - res.metrics.plain_steps
+        from_lookup += res.metrics.accepted_from["lookup"] + res.metrics.accepted_from["both"]
+    assert plain > 0 and drafted > 0 and from_lookup > 0
+    check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
+
+
 def forgetful_verify_sampling(tree, logits, params, generator):
     """A deliberately wrong verifier: after a fully accepted path it samples the bonus token from
     the raw softmax, ignoring temperature, top-p and top-k (the reference code's bug)."""

@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import JakiroError
+from ..methods import METHODS
 from ..data.questions import read_questions
 
 HF_METHODS = ("hf", "hf-pld")
-KNOWN = ("ar", "pld", "eagle2", "jakiro", "jakiro-blended") + HF_METHODS
+# benchmark names for a method with options: Jakiro's blended candidates, drafts on their fixed tree
+VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
+            "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False})}
+KNOWN = METHODS + tuple(VARIANTS) + HF_METHODS
 
 
 @dataclass
@@ -89,10 +93,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     for m in cfg.methods:
         if m in HF_METHODS:
             continue
-        method = "jakiro" if m == "jakiro-blended" else m
-        draft = cfg.drafts.get(m) or cfg.drafts.get(method)
-        engines[m] = jk.add_method(method, draft, budget, "blended" if m == "jakiro-blended" else None,
-                                   cache_dir=cfg.cache_dir)
+        method, options = VARIANTS.get(m, (m, {}))
+        draft = cfg.drafts.get(m) or cfg.drafts.get(method.removesuffix("+pld"))
+        engines[m] = jk.add_method(method, draft, budget, cache_dir=cfg.cache_dir, **options)
     hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
     eos = engines["ar"].eos_ids
     from ..decoding.sampling import SamplingParams
@@ -215,6 +218,9 @@ def _aggregate(turns: list[dict]) -> dict:
         out["draft_s"] = sum(t["draft_s"] for t in turns)
         out["target_s"] = sum(t["target_s"] for t in turns)
         out["draft_fraction"] = out["draft_s"] / max(1e-9, out["draft_s"] + out["target_s"])
+        out["plain_steps"] = sum(t.get("plain_steps", 0) for t in turns)  # cycles that drafted nothing
+        out["accepted_from"] = {src: sum(t.get("accepted_from", {}).get(src, 0) for t in turns)
+                                for src in ("draft", "lookup", "both")}
     else:
         out["tau"] = None
     return out
@@ -247,13 +253,16 @@ def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
 def markdown_table(summary: dict) -> str:
     methods = list(summary["methods"])
     cats = list(summary["methods"]["ar"])
-    lines = ["| method | category | tokens/s | speedup | tau | greedy match |", "|---|---|---|---|---|---|"]
+    lines = ["| method | category | tokens/s | speedup | tau | plain steps | accepted from draft / lookup / both "
+             "| greedy match |", "|---|---|---|---|---|---|---|---|"]
     for m in methods:
         for c in cats:
             a = summary["methods"][m][c]
             tau = f"{a['tau']:.2f}" if a.get("tau") is not None else "-"
             gm = f"{a['greedy_match']:.2f}" if "greedy_match" in a else "-"
-            lines.append(f"| {m} | {c} | {a['tokens_per_s']:.1f} | {a['speedup']:.2f}x | {tau} | {gm} |")
+            plain = f"{a['plain_steps']}/{a['target_forwards']}" if "plain_steps" in a else "-"
+            src = "/".join(str(a["accepted_from"][k]) for k in ("draft", "lookup", "both")) if "accepted_from" in a else "-"
+            lines.append(f"| {m} | {c} | {a['tokens_per_s']:.1f} | {a['speedup']:.2f}x | {tau} | {plain} | {src} | {gm} |")
     return "\n".join(lines) + "\n"
 
 

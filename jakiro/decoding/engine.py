@@ -12,6 +12,7 @@ import torch
 from ..errors import JakiroError
 from .proposers import Proposer
 from .sampling import SamplingParams, next_token
+from .tree import DRAFT, LOOKUP
 from . import verify as _verify
 
 
@@ -25,6 +26,8 @@ class Metrics:
     target_s: float = 0.0
     total_s: float = 0.0
     committed: int = 0  # tokens committed by verification forwards (bonus included)
+    plain_steps: int = 0  # verification forwards with no draft token (cost-aware drafting backed off)
+    accepted_from: dict = field(default_factory=lambda: {"draft": 0, "lookup": 0, "both": 0})
     depth_tried: list[int] = field(default_factory=list)  # cycles whose tree reached depth d+1 ...
     depth_accepted: list[int] = field(default_factory=list)  # ... and the path got past depth d+1
 
@@ -54,7 +57,8 @@ class Metrics:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
             "tokens_per_s": self.tokens_per_s, "tau": self.tau,
-            "target_forwards": self.target_forwards,
+            "target_forwards": self.target_forwards, "plain_steps": self.plain_steps,
+            "accepted_from": dict(self.accepted_from),
             "accept_rate_per_depth": self.accept_rate_per_depth,
             "prefill_s": self.prefill_s, "draft_s": self.draft_s, "target_s": self.target_s,
             "total_s": self.total_s,
@@ -210,11 +214,16 @@ class Engine:
             else:
                 logits, feats = target(tree.tokens, cache)
             verdict = _verify.verify(tree, logits, params, generator)
+            proposer.feedback(tree, verdict.accepted)
             cache.keep(verdict.accepted)
             t2 = time.perf_counter()
             metrics.draft_s += t1 - t0
             metrics.target_s += t2 - t1
             metrics.target_forwards += 1
+            metrics.plain_steps += tree.size == 1
+            if tree.sources is not None:
+                for src in tree.sources[verdict.accepted[1:]].tolist():
+                    metrics.accepted_from[_SOURCE_NAMES[src]] += 1
             pending = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
             metrics.committed += len(pending)
             metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
@@ -226,6 +235,9 @@ class Engine:
         metrics.new_tokens = len(generated)
         metrics.total_s = time.perf_counter() - t_start
         return GenerationResult(tracker.text, generated, finish, metrics, self.method)
+
+
+_SOURCE_NAMES = {DRAFT: "draft", LOOKUP: "lookup", DRAFT | LOOKUP: "both"}
 
 
 def _eos_ids(target, tokenizer) -> set[int]:

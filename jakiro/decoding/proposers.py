@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import Tree, build_tree, chain_tree, select_nodes
+from .tree import DRAFT, LOOKUP, Tree, build_tree, chain_tree, select_nodes
 
 
 class Proposer:
@@ -28,6 +28,9 @@ class Proposer:
     def propose(self, context: list[int]) -> Tree:
         """A tree whose root is context[-1]. The base proposer drafts nothing (plain decoding)."""
         return chain_tree(context[-1], [])
+
+    def feedback(self, tree: Tree, accepted: torch.Tensor) -> None:
+        """The nodes of ``tree`` that verification accepted (root first)."""
 
     def stats(self) -> dict:
         return {}
@@ -46,6 +49,12 @@ class PromptLookupProposer(Proposer):
         self.max_tree_tokens = num_tokens + 1
 
     def propose(self, context: list[int]) -> Tree:
+        tree = chain_tree(context[-1], self.lookup(context))
+        tree.sources = torch.tensor([0] + [LOOKUP] * (tree.size - 1))
+        return tree
+
+    def lookup(self, context: list[int]) -> list[int]:
+        """The tokens that followed the latest earlier occurrence of the longest matching n-gram."""
         seq = torch.tensor(context)
         length = seq.shape[0]
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
@@ -55,8 +64,8 @@ class PromptLookupProposer(Proposer):
                 start = int(hits[-1]) + n
                 drafted = seq[start: start + self.num_tokens]
                 if drafted.numel():
-                    return chain_tree(context[-1], drafted)
-        return chain_tree(context[-1], [])
+                    return drafted.tolist()
+        return []
 
 
 @dataclass
@@ -142,8 +151,11 @@ class DraftProposer(Proposer):
 
     # ------------------------------------------------------------------ tree
     @torch.inference_mode()
-    def propose(self, context: list[int]) -> Tree:
+    def propose(self, context: list[int], depth: int | None = None) -> Tree:
+        """The EAGLE-2 tree of the budget, or of ``depth`` draft layers when given (<= the
+        budget's depth: the draft's scratch cache is sized for it). Node scores are attached."""
         draft, cache, budget = self.draft, self.cache, self.budget
+        depth = budget.depth if depth is None else min(depth, budget.depth)
         k = budget.top_k
         feats = torch.cat([f for f, _ in self._pending])
         toks = torch.cat([t for _, t in self._pending])
@@ -161,9 +173,9 @@ class DraftProposer(Proposer):
         rows = torch.tensor([m - 1])  # forwarded rows of the current frontier in `out`
         front_ids = torch.tensor([-1])  # their candidate ids
         front_scores = torch.zeros(1)
-        slot_rows = torch.zeros(1, budget.depth * k, dtype=torch.bool)  # draft scratch slots seen
+        slot_rows = torch.zeros(1, depth * k, dtype=torch.bool)  # draft scratch slots seen
         n_slots = 0
-        normal_layers = budget.depth - 1 if self.parallel else budget.depth
+        normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
         for layer in range(normal_layers):
             tokens, logp, carried = self._children(out, rows, k)  # [F, k]
             F_ = tokens.shape[0]
@@ -174,7 +186,7 @@ class DraftProposer(Proposer):
             cand_parents.append(front_ids.unsqueeze(1).expand(F_, k).flatten())
             n_cand += F_ * k
             if layer == normal_layers - 1:
-                if self.parallel:  # last layer from the contrastive branch of the same forward,
+                if self.parallel and depth >= 2:  # last layer from the contrastive branch of the same forward,
                     # hung under the best child of the node whose forward produced it
                     con_tokens, con_logp = self._contrastive_children(out, rows, k)
                     best = scores.argmax(1)
@@ -206,6 +218,10 @@ class DraftProposer(Proposer):
             front_scores = flat_scores[pick]
             slot_rows = new_rows
         cache.truncate(base)
-        kept, parents = select_nodes(torch.cat(cand_scores), torch.cat(cand_parents), budget.total_tokens)
+        all_scores = torch.cat(cand_scores)
+        kept, parents = select_nodes(all_scores, torch.cat(cand_parents), budget.total_tokens)
         tokens = torch.cat((torch.tensor([context[-1]]), torch.cat(cand_tokens)[kept]))
-        return build_tree(tokens, torch.cat((torch.tensor([-1]), parents)))
+        tree = build_tree(tokens, torch.cat((torch.tensor([-1]), parents)))
+        tree.scores = torch.cat((torch.zeros(1), all_scores[kept]))
+        tree.sources = torch.tensor([0] + [DRAFT] * (tree.size - 1))
+        return tree

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 
 
+DRAFT, LOOKUP = 1, 2  # node sources (bit flags: a node proposed by both is DRAFT | LOOKUP)
+
+
 @dataclass
 class Tree:
     tokens: torch.Tensor  # [n] long, tokens[0] = root
@@ -20,6 +23,8 @@ class Tree:
     depths: torch.Tensor  # [n] long, depths[0] = 0
     tree_mask: torch.Tensor  # [n, n] bool, True where j is i or an ancestor of i
     retrieve_paths: torch.Tensor  # [leaves, max_depth + 1] long, -1 padded
+    scores: torch.Tensor | None = None  # [n] the draft's cumulative log-prob per node (root 0)
+    sources: torch.Tensor | None = None  # [n] where each node came from: DRAFT | LOOKUP bits (root 0)
 
     @property
     def size(self) -> int:
@@ -59,6 +64,31 @@ def chain_tree(root: int, drafted: list[int] | torch.Tensor) -> Tree:
     drafted = torch.as_tensor(drafted, dtype=torch.long).flatten()
     tokens = torch.cat((torch.tensor([root]), drafted))
     return build_tree(tokens, torch.arange(-1, tokens.shape[0] - 1))
+
+
+def add_chain(tree: Tree, chain: list[int]) -> Tree:
+    """Hang ``chain`` (prompt-lookup tokens) under the root, sharing the nodes where the tree already
+    has the same tokens; new nodes get score -inf (the draft did not propose them) and source
+    LOOKUP, shared ones gain the LOOKUP bit."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    n = len(tokens)
+    scores = tree.scores.tolist() if tree.scores is not None else [0.0] + [float("-inf")] * (n - 1)
+    sources = tree.sources.tolist() if tree.sources is not None else [0] + [DRAFT] * (n - 1)
+    node = 0
+    for tok in chain:
+        match = next((i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == tok), None)
+        if match is None:
+            tokens.append(int(tok))
+            parents.append(node)
+            scores.append(float("-inf"))
+            sources.append(LOOKUP)
+            match = len(tokens) - 1
+        else:
+            sources[match] |= LOOKUP
+        node = match
+    merged = build_tree(torch.tensor(tokens), torch.tensor(parents))
+    merged.scores, merged.sources = torch.tensor(scores), torch.tensor(sources)
+    return merged
 
 
 def select_nodes(scores: torch.Tensor, parents: torch.Tensor, total_tokens: int

@@ -1,0 +1,116 @@
+"""Cost-aware drafting: the tree cut and the depth choice follow the cost table and the observed
+acceptance, and greedy output stays identical to plain decoding whatever the decisions (always
+drafting, mostly plain steps with probes, switching mid-request)."""
+
+import math
+
+import pytest
+import torch
+
+from jakiro.decoding.adaptive import AdaptiveProposer, CostTable
+from jakiro.decoding.engine import Engine
+from jakiro.decoding.proposers import DraftProposer, TreeBudget
+from jakiro.decoding.tree import build_tree
+from test_speculative_greedy import assert_same, random_draft, tiny  # noqa: F401  (fixture)
+
+FREE = CostTable({1: 1.0, 32: 1.0}, {d: 0.0 for d in range(1, 7)})  # verification and drafting cost nothing
+DEAR = CostTable({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0, 32: 32.0}, {d: 0.5 * d for d in range(1, 7)})
+MIXED = CostTable({1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 8: 2.4, 16: 4.0, 32: 7.2}, {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.9, 5: 1.1})
+
+
+def test_cost_table_interpolates_and_extends():
+    c = CostTable({1: 10.0, 4: 16.0, 8: 20.0}, {1: 2.0})
+    assert c.target(2) == pytest.approx(12.0) and c.target(6) == pytest.approx(18.0)
+    assert c.target(12) == pytest.approx(24.0)  # the last slope, 1 ms per token
+    assert c.draft(3) == 2.0
+
+
+def make(tiny, costs, method="jakiro", budget=TreeBudget(4, 3, 12), name="adaptive-draft", **overrides):
+    root, target, tok, prompts, reference = tiny
+    draft = random_draft(root, target, method, overrides, name)
+    return AdaptiveProposer(DraftProposer(draft, budget), target, costs)
+
+
+def test_prune_keeps_the_nodes_that_pay(tiny):
+    proposer = make(tiny, CostTable({1: 1.0, 2: 1.1, 3: 1.2, 4: 3.0}, {1: 0.1}))
+    # root, a (p=0.9), a->b (p=0.9*0.8), c (p=0.05)
+    tree = build_tree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 1, 0]))
+    tree.scores = torch.tensor([0.0, math.log(0.9), math.log(0.72), math.log(0.05)])
+    c = proposer.calibrated(tree.scores.exp())
+    rates = [1 / 1.0, (1 + c[1]) / 1.1, (1 + c[1] + c[2]) / 1.2, (1 + c[1:].sum()) / 3.0]
+    best = max(range(4), key=lambda k: float(rates[k]))
+    assert best == 2  # the third node would not pay for the jump to t(4)
+    pruned = proposer.prune(tree)
+    assert pruned.tokens.tolist() == [5, 6, 7] and pruned.parents.tolist() == [-1, 0, 1]
+    assert torch.equal(pruned.scores, tree.scores[:3])
+
+
+def test_depth_follows_observed_acceptance(tiny):
+    proposer = make(tiny, MIXED)
+    proposer.start(64)
+    assert proposer.choose_depth() >= 1  # the prior is optimistic: drafting is tried
+    for _ in range(4):  # four drafted cycles, nothing accepted
+        tree = build_tree(torch.tensor([1, 2]), torch.tensor([-1, 0]))
+        tree.scores = torch.tensor([0.0, math.log(0.5)])
+        proposer.feedback(tree, torch.tensor([0]))
+    assert proposer.choose_depth() == 0
+    for _ in range(40):  # then everything accepted
+        tree = build_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 1]))
+        tree.scores = torch.tensor([0.0, math.log(0.5), math.log(0.3)])
+        proposer.feedback(tree, torch.tensor([0, 1, 2]))
+    assert proposer.choose_depth() >= 2
+
+
+@pytest.mark.parametrize("costs, method, overrides", [
+    (FREE, "jakiro", {}),
+    (DEAR, "jakiro", {}),
+    (MIXED, "jakiro", {"num_experts": 4, "experts_per_token": 3, "draft_vocab_size": 48}),
+    (MIXED, "eagle2", {"draft_vocab_size": 64}),
+])
+def test_adaptive_greedy_equals_plain(tiny, costs, method, overrides):
+    root, target, tok, prompts, reference = tiny
+    proposer = make(tiny, costs, method, name=f"adaptive-{method}-{len(overrides)}", **overrides)
+    engine = Engine(target, tok, proposer)
+    assert_same(engine, prompts[:10], reference[:10])
+    res = engine.generate(prompts[0], 64)
+    m = res.metrics
+    if costs is FREE:
+        assert m.plain_steps == 0  # drafting always pays
+    elif costs is DEAR:
+        assert 0 < m.target_forwards - m.plain_steps < m.plain_steps  # mostly plain, with probes
+    else:
+        assert 0 < m.plain_steps < m.target_forwards  # both kinds of cycle in one request
+
+
+def test_lookup_chain_merges_into_the_draft_tree():
+    from jakiro.decoding.tree import DRAFT, LOOKUP, add_chain
+    tree = build_tree(torch.tensor([9, 1, 2, 3]), torch.tensor([-1, 0, 0, 1]))  # 9 -> 1 -> 3, 9 -> 2
+    tree.scores = torch.tensor([0.0, -0.1, -0.2, -0.3])
+    tree.sources = torch.tensor([0, DRAFT, DRAFT, DRAFT])
+    merged = add_chain(tree, [1, 4, 5])  # shares node 1, then leaves the draft's path
+    assert merged.tokens.tolist() == [9, 1, 2, 3, 4, 5]
+    assert merged.parents.tolist() == [-1, 0, 0, 1, 1, 4]
+    assert merged.sources.tolist() == [0, DRAFT | LOOKUP, DRAFT, DRAFT, LOOKUP, LOOKUP]
+    assert merged.scores[4] == float("-inf")
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_hybrid_lookup_and_draft_greedy_equals_plain(tiny, adaptive):
+    from jakiro.decoding.proposers import PromptLookupProposer
+    root, target, tok, prompts, reference = tiny
+    draft = random_draft(root, target, "jakiro", {}, "hybrid-draft")
+    # verifying is cheap, drafting dear: lookup branches pay even when the (random) draft does not
+    costs = CostTable({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.14, 16: 1.3}, {1: 0.3, 2: 0.6, 3: 0.9})
+    proposer = AdaptiveProposer(DraftProposer(draft, TreeBudget(3, 3, 8)), target, costs if adaptive else None,
+                                lookup=PromptLookupProposer(num_tokens=5), adaptive=adaptive)
+    assert proposer.name == "jakiro+pld"
+    engine = Engine(target, tok, proposer)
+    assert_same(engine, prompts[:10], reference[:10])
+    from_lookup = 0
+    for prompt in prompts[:10]:
+        m = engine.generate(prompt, 128).metrics
+        from_lookup += m.accepted_from["lookup"] + m.accepted_from["both"]
+        assert sum(m.accepted_from.values()) == m.committed - m.target_forwards
+    assert from_lookup > 20  # the tiny model repeats itself: lookup branches are accepted
+    if adaptive:
+        assert m.plain_steps > 0  # the draft was switched off, lookup-only cycles remain
