@@ -11,6 +11,7 @@ from jakiro.decoding.adaptive import AdaptiveProposer, CostTable
 from jakiro.decoding.engine import Engine
 from jakiro.decoding.proposers import DraftProposer, TreeBudget
 from jakiro.decoding.tree import build_tree
+from jakiro.decoding.verify import Verdict
 from test_speculative_greedy import assert_same, random_draft, tiny  # noqa: F401  (fixture)
 
 FREE = CostTable({1: 1.0, 32: 1.0}, {d: 0.0 for d in range(1, 7)})  # verification and drafting cost nothing
@@ -52,12 +53,12 @@ def test_depth_follows_observed_acceptance(tiny):
     for _ in range(4):  # four drafted cycles, nothing accepted
         tree = build_tree(torch.tensor([1, 2]), torch.tensor([-1, 0]))
         tree.scores = torch.tensor([0.0, math.log(0.5)])
-        proposer.feedback(tree, torch.tensor([0]))
+        proposer.feedback(tree, Verdict(torch.tensor([0]), 7))
     assert proposer.choose_depth() == 0
     for _ in range(40):  # then everything accepted
         tree = build_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 1]))
         tree.scores = torch.tensor([0.0, math.log(0.5), math.log(0.3)])
-        proposer.feedback(tree, torch.tensor([0, 1, 2]))
+        proposer.feedback(tree, Verdict(torch.tensor([0, 1, 2]), 7))
     assert proposer.choose_depth() >= 2
 
 
@@ -77,7 +78,8 @@ def test_adaptive_greedy_equals_plain(tiny, costs, method, overrides):
     if costs is FREE:
         assert m.plain_steps == 0  # drafting always pays
     elif costs is DEAR:
-        assert 0 < m.target_forwards - m.plain_steps < m.plain_steps  # mostly plain, with probes
+        # plain steps only; probes drafted one level without verifying it
+        assert m.plain_steps == m.target_forwards and 2 <= proposer.tried[1] < m.target_forwards / 4
     else:
         assert 0 < m.plain_steps < m.target_forwards  # both kinds of cycle in one request
 

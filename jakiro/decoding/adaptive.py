@@ -10,9 +10,10 @@ probabilities, over-confident for a weak draft) against the nodes actually accep
 Per cycle: the depth d (0 = plain step) maximises expected committed tokens per millisecond,
 E(d) / (t(n_d) + draft(d)) with E(d) = 1 + sum_{i<=d} P(path reaches depth i); the drafted tree is
 then cut to the k best nodes maximising (1 + sum of their calibrated acceptance) / t(k + 1).
-While plain steps win, a probe drafts again after 4, 8, 16 ... plain steps, so a draft that
-starts predicting well is noticed. Decisions depend only on the fixed cost table and on this
-request's outcomes, so a seeded request decodes the same way every time in one process.
+While plain steps win, a probe after 4, 8, 16 ... plain steps drafts one level and compares it
+with the token the plain step commits (one draft step, no verification), so a draft that starts
+predicting well is noticed. Decisions depend only on the fixed cost table and on this request's
+outcomes, so a seeded request decodes the same way every time in one process.
 Verification is untouched: any tree chosen before the target's forward keeps decoding lossless.
 """
 
@@ -136,6 +137,7 @@ class AdaptiveProposer(Proposer):
         self.lookup_seen = torch.full((L,), PRIOR_WEIGHT)
         self.idle = 0
         self.wait = PROBE_AFTER
+        self.shadow: Tree | None = None  # a probe's draft, compared with the next committed token
 
     def start(self, max_len: int) -> None:
         self.inner.start(max_len)
@@ -157,10 +159,16 @@ class AdaptiveProposer(Proposer):
         reach = self.reach_probability()
         for d in range(1, self.max_depth + 1):
             expected = 1.0 + float(reach[:d].sum())
-            rate = expected / (c.target(1 + round(self.nodes[d])) + c.draft(d))
+            # a path to depth d verifies at least d nodes
+            rate = expected / (c.target(1 + max(d, round(self.nodes[d]))) + c.draft(d))
             if rate > best_rate:
                 best_depth, best_rate = d, rate
         return best_depth
+
+    def _calibrate(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
+        b = (torch.bucketize(scores.exp(), BUCKETS, right=True) - 1).clamp(0, len(self.seen) - 1)
+        self.seen.index_add_(0, b, torch.ones(b.shape[0]))
+        self.hits.index_add_(0, b, accepted.float())
 
     def calibrated(self, draft_prob: torch.Tensor) -> torch.Tensor:
         b = (torch.bucketize(draft_prob, BUCKETS, right=True) - 1).clamp(0, len(self.seen) - 1)
@@ -212,37 +220,49 @@ class AdaptiveProposer(Proposer):
         if not self.adaptive:
             tree = self.inner.propose(context)
             return add_chain(tree, chain) if chain else tree
-        depth, probe = self.choose_depth(), False
+        depth = self.choose_depth()
+        self.shadow = None
         if depth == 0:
             self.idle += 1
-            if self.idle < self.wait:
-                if not chain:
-                    return chain_tree(context[-1], [])
-                tree = add_chain(chain_tree(context[-1], []), chain)
-                return self.prune(tree)
-            # probe: draft the full depth and verify at least its best path, to learn from it
-            depth, probe, self.wait = self.max_depth, True, min(self.wait * 2, MAX_WAIT)
-        else:
-            self.wait = PROBE_AFTER
-        self.idle = 0
+            if self.idle >= self.wait:
+                # probe without paying for verification: draft one level now and compare it with
+                # the token the plain step commits (``feedback``)
+                self.idle, self.wait = 0, min(self.wait * 2, MAX_WAIT)
+                self.shadow = self.inner.propose(context, depth=1)
+            if not chain:
+                return chain_tree(context[-1], [])
+            return self.prune(add_chain(chain_tree(context[-1], []), chain))
+        self.wait, self.idle = PROBE_AFTER, 0
         tree = self.inner.propose(context, depth=depth)
         if chain:
             tree = add_chain(tree, chain)
-        tree = self.prune(tree, min_keep=depth if probe else 0)
-        self.nodes[depth] = 0.7 * self.nodes[depth] + 0.3 * int((tree.sources & DRAFT > 0).sum())
+        tree = self.prune(tree)
+        drafted = int((tree.sources & DRAFT > 0).sum())
+        self.nodes[depth] = 0.7 * self.nodes[depth] + 0.3 * drafted
+        if drafted == 0:  # the draft was not confident enough to verify: a cycle that reached nothing
+            self.tried[1:depth + 1] += 1
         return tree
 
-    def feedback(self, tree: Tree, accepted: torch.Tensor) -> None:
-        if tree.size == 1 or tree.scores is None or not self.adaptive:
+    def feedback(self, tree: Tree, verdict) -> None:
+        if not self.adaptive:
             return
+        if self.shadow is not None:  # a probe: the draft's first level against the committed token
+            shadow, self.shadow = self.shadow, None
+            level = (shadow.depths == 1).nonzero().flatten()
+            hit = shadow.tokens[level] == verdict.bonus if verdict.accept_length == 0 else \
+                shadow.tokens[level] == tree.tokens[verdict.accepted[1]]
+            self._calibrate(shadow.scores[level], hit)
+            self.tried[1] += 1
+            self.reached[1] += float(hit.any())
+        if tree.size == 1 or tree.scores is None:
+            return
+        accepted = verdict.accepted
         on_path = torch.zeros(tree.size, dtype=torch.bool)
         on_path[accepted] = True
         sources = tree.sources if tree.sources is not None else torch.full((tree.size,), DRAFT)
         drafted = ((sources & DRAFT) > 0) & (torch.arange(tree.size) > 0)
         if bool(drafted.any()):
-            b = (torch.bucketize(tree.scores[drafted].exp(), BUCKETS, right=True) - 1).clamp(0, len(self.seen) - 1)
-            self.seen.index_add_(0, b, torch.ones(b.shape[0]))
-            self.hits.index_add_(0, b, on_path[drafted].float())
+            self._calibrate(tree.scores[drafted], on_path[drafted])
             depth = int(tree.depths[drafted].max())
             accept_length = int(accepted.shape[0]) - 1
             self.tried[1:depth + 1] += 1

@@ -214,7 +214,7 @@ class Engine:
             else:
                 logits, feats = target(tree.tokens, cache)
             verdict = _verify.verify(tree, logits, params, generator)
-            proposer.feedback(tree, verdict.accepted)
+            proposer.feedback(tree, verdict)
             cache.keep(verdict.accepted)
             t2 = time.perf_counter()
             metrics.draft_s += t1 - t0

@@ -29,8 +29,8 @@ class Proposer:
         """A tree whose root is context[-1]. The base proposer drafts nothing (plain decoding)."""
         return chain_tree(context[-1], [])
 
-    def feedback(self, tree: Tree, accepted: torch.Tensor) -> None:
-        """The nodes of ``tree`` that verification accepted (root first)."""
+    def feedback(self, tree: Tree, verdict) -> None:
+        """What verification made of ``tree`` (a ``verify.Verdict``: accepted nodes, bonus token)."""
 
     def stats(self) -> dict:
         return {}
