@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from jakiro.decoding.proposers import Proposer
+
 
 def spec_bench_prompts(n: int) -> list[str]:
     """n first-turn questions spread round-robin over the categories of the Spec-Bench file
@@ -70,7 +72,7 @@ class CharTokenizer:
         return "".join(chr(32 + (i - 2) % 95) for i in ids if i > 1 or not skip_special_tokens)
 
 
-class TargetTreeProposer:
+class TargetTreeProposer(Proposer):
     """A deterministic 'oracle' draft for tests: the target's own top-``width`` tokens at every
     node, ``depth`` levels deep, optionally corrupted at some nodes so that verification also
     rejects. Any deterministic proposal must leave the output distribution unchanged."""

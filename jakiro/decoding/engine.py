@@ -161,6 +161,16 @@ class Engine:
             if on_text is not None and delta:
                 on_text(delta)
 
+    def _tokens_before(self, generated: list[int], cut: int) -> int:
+        """The fewest leading tokens of ``generated`` whose text reaches character ``cut`` (where
+        a stop string starts): the token holding the stop string's first character is the last
+        one kept, or none when the stop string starts on a token boundary."""
+        keep = len(generated)
+        while keep > 0 and len(self.tokenizer.decode(
+                [t for t in generated[:keep - 1] if t not in self.eos_ids], skip_special_tokens=True)) >= cut:
+            keep -= 1
+        return keep
+
     @torch.inference_mode()
     def stream(self, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: list[str] | None = None, chat: bool = True) -> Iterator[str]:
@@ -192,6 +202,8 @@ class Engine:
             for tok in pending:
                 generated.append(tok)
                 context.append(tok)
+                if metrics.target_forwards:  # τ counts only what verification commits and is kept
+                    metrics.committed += 1
                 if tok in self.eos_ids:
                     finish = "stop"
                     break
@@ -203,6 +215,10 @@ class Engine:
                 yield delta
             if cut is not None:
                 finish = "stop"
+                kept = self._tokens_before(generated, cut)
+                if metrics.target_forwards:
+                    metrics.committed -= len(generated) - kept
+                del generated[kept:]  # token ids end where the text does
             if finish:
                 break
             t0 = time.perf_counter()
@@ -225,7 +241,6 @@ class Engine:
                 for src in tree.sources[verdict.accepted[1:]].tolist():
                     metrics.accepted_from[_SOURCE_NAMES[src]] += 1
             pending = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
-            metrics.committed += len(pending)
             metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
             if proposer.needs_features:
                 proposer.observe(feats[verdict.accepted], torch.tensor(pending))

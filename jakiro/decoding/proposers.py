@@ -1,8 +1,8 @@
 """Proposers: what builds the draft tree each cycle. One decode loop serves them all.
 
-The interface has three calls: ``start`` (a new request), ``observe`` (the target's features for
-newly committed positions with the token that follows each) and ``propose`` (a tree rooted at the
-last committed token).
+The interface has four calls: ``start`` (a new request), ``observe`` (the target's features for
+newly committed positions with the token that follows each), ``propose`` (a tree rooted at the
+last committed token) and ``feedback`` (what verification accepted of it).
 """
 
 from __future__ import annotations

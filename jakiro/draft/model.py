@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..models.kv_cache import KVCache
 from ..models.linear import FastLinear
-from ..models.target import rope_tables
+from ..models.target import ROPE_SLACK, rope_tables
 from .config import DraftConfig
 
 
@@ -53,7 +53,8 @@ class DraftModel(nn.Module):
         if c.draft_vocab_size is not None:
             self.register_buffer("d2t", torch.arange(c.draft_vocab_size, dtype=torch.long))
         self.reset_parameters()
-        cos, sin = rope_tables(c.to_llama_config(), D, c.max_position_embeddings)
+        # a deep tree drafted near the end of the context needs angles past it
+        cos, sin = rope_tables(c.to_llama_config(), D, c.max_position_embeddings + ROPE_SLACK)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embed: torch.Tensor | None = None  # target's, frozen, attached by attach_target
