@@ -38,13 +38,23 @@ class Jakiro:
 
     def add_method(self, method: str, draft: str | None = None, budget: TreeBudget | None = None,
                    candidate_mode: str | None = None, parallel_decoding: bool | None = None,
-                   pld_tokens: int = 6, cache_dir: str | None = None, adaptive: bool = True) -> Engine:
+                   pld_tokens: int = 6, cache_dir: str | None = None, adaptive: bool = True,
+                   tree: str | None = None) -> Engine:
         """Set up ``method``. Without an explicit ``budget`` a draft uses the tree saved by
         ``jakiro tune`` for it, else the default tree. With ``adaptive`` (the default, for drafts
-        without an explicit budget: the user's tree wins) each cycle drafts only what pays on
-        this machine (``decoding.adaptive``)."""
+        without an explicit budget or static tree: the user's tree wins) each cycle drafts only
+        what pays on this machine (``decoding.adaptive``). ``tree``: ``static:NAME|PATH``, a
+        static (EAGLE-1) tree instead of the dynamic one."""
         if method not in METHODS:
             raise JakiroError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        static = None
+        if tree is not None:
+            from .decoding.static_tree import parse_tree
+            if method in ("ar", "pld"):
+                raise JakiroError("--tree applies to eagle2 and jakiro drafts")
+            if budget is not None:
+                raise JakiroError("a static --tree fixes the tree: drop --depth/--tree-top-k/--total-tokens")
+            static = parse_tree(tree)
         name, lookup = method, method.endswith("+pld")
         method = method.removesuffix("+pld")
         proposer: Proposer
@@ -62,14 +72,14 @@ class Jakiro:
             model = load_draft(draft, self.target)
             if model.config.method != method:
                 raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
-            explicit = budget is not None
-            if budget is None:
+            explicit = budget is not None or static is not None
+            if budget is None and static is None:
                 tuned = tuned_budget(draft, cache_dir)
                 budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
                 if tuned and parallel_decoding is None:
                     parallel_decoding = tuned.get("parallel_decoding")
             try:
-                proposer = DraftProposer(model, budget, candidate_mode, parallel_decoding)
+                proposer = DraftProposer(model, budget or TreeBudget(), candidate_mode, parallel_decoding, static)
             except ValueError as exc:
                 raise JakiroError(str(exc)) from None
             if tuned and tuned.get("draft_vocab"):
@@ -120,10 +130,11 @@ def tree_budget(depth: int | None = None, top_k: int | None = None,
 def load(target: str | None = None, draft: str | None = None, method: str | None = None,
          depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
          candidate_mode: str | None = None, parallel_decoding: bool | None = None,
-         cache_dir: str | None = None, adaptive: bool = True) -> Jakiro:
+         cache_dir: str | None = None, adaptive: bool = True, tree: str | None = None) -> Jakiro:
     """Load a target (default: SmolLM2-135M-Instruct) and set up ``method`` (default: the draft's
     method when a draft is given, else plain decoding). ``adaptive=False`` keeps the draft's
-    fixed tree every cycle."""
+    fixed tree every cycle; ``tree="static:eagle1"`` (a preset or a JSON file of paths) drafts a
+    static tree."""
     from .models.hub import resolve_target
     from .models.target import TargetModel
 
@@ -135,6 +146,6 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
         method = read_draft_config(draft).method
     method = method or "ar"
     jk.add_method(method, draft, tree_budget(depth, top_k, total_tokens), candidate_mode, parallel_decoding,
-                  cache_dir=cache_dir, adaptive=adaptive)
+                  cache_dir=cache_dir, adaptive=adaptive, tree=tree)
     jk.default_method = method
     return jk

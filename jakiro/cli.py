@@ -31,6 +31,8 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-tokens", type=int, help="draft tokens verified per cycle")
     p.add_argument("--candidates", choices=("decoupled", "blended"), help="Jakiro candidate mode")
     p.add_argument("--no-parallel", action="store_true", help="Jakiro: disable contrastive parallel decoding")
+    p.add_argument("--tree", help="static:NAME|PATH: a static (EAGLE-1) tree, a preset (eagle1, chain2, cpu) "
+                   "or a JSON list of rank paths, instead of the dynamic tree")
     p.add_argument("--no-adaptive", action="store_true",
                    help="drafts: verify the same tree every cycle instead of drafting only what pays "
                         "(explicit --depth/--tree-top-k/--total-tokens also fix the tree)")
@@ -142,9 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
     _add_target_args(b)
-    b.add_argument("--questions", required=True, help="question JSONL path, or 'mt-bench'")
-    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,jakiro-blended,eagle2-fixed,jakiro-fixed "
-                   "(-fixed: the draft's fixed tree every cycle)")
+    b.add_argument("--questions", required=True, help="question JSONL path, 'mt-bench' or 'humaneval' (from the installed packages)")
+    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,eagle2+pld,jakiro+pld,jakiro-blended,"
+                   "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static (-fixed: the draft's fixed tree every "
+                   "cycle; -static: the --static-tree)")
+    b.add_argument("--static-tree", default="static:cpu", help="tree of the -static methods (static:NAME|PATH)")
     b.add_argument("--draft", action="append", default=[], metavar="NAME=PATH", help="draft per method")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--max-new-tokens", type=int, default=256)
@@ -179,7 +183,8 @@ def cmd_generate(args) -> int:
             v is not None for v in (args.depth, args.tree_top_k, args.total_tokens)):
         raise JakiroError("--depth/--tree-top-k/--total-tokens apply to eagle2 and jakiro drafts")
     jk = load(args.target, args.draft, args.method, args.depth, args.tree_top_k, args.total_tokens,
-              args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive)
+              args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
+              args.tree)
     engine = jk.engine()
     stream_out = not args.json
     result = engine.generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw,
@@ -192,7 +197,8 @@ def cmd_generate(args) -> int:
         out["tree"] = {"depth": b.depth, "top_k": b.top_k, "total_tokens": b.total_tokens,
                        "candidate_mode": drafter.mode, "parallel_decoding": drafter.parallel,
                        "draft_vocab": drafter.head_vocab or drafter.draft.config.draft_vocab_size,
-                       "tuned": getattr(engine, "tuned", False), "adaptive": drafter is not engine.proposer}
+                       "tuned": getattr(engine, "tuned", False), "adaptive": drafter is not engine.proposer,
+                       "static": drafter.static.as_list() if drafter.static else None}
     if args.compare and result.method != "ar":
         base = jk.engine("ar").generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
         out["ar_tokens_per_s"] = base.metrics.tokens_per_s
@@ -222,7 +228,8 @@ def _load_for_session(args):
     if method in ("ar", "pld") and any(v is not None for v in (args.depth, args.tree_top_k, args.total_tokens)):
         raise JakiroError("--depth/--tree-top-k/--total-tokens apply to eagle2 and jakiro drafts")
     return load(args.target, args.draft, method, args.depth, args.tree_top_k, args.total_tokens,
-                args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive)
+                args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
+                args.tree)
 
 
 def cmd_serve(args) -> int:
@@ -317,7 +324,8 @@ def cmd_bench(args) -> int:
         torch.set_num_threads(1)  # benchmarks default to one thread: stable, comparable figures
     cfg = BenchConfig(args.questions, [m.strip() for m in args.methods.split(",") if m.strip()], drafts,
                       args.temperature, args.max_new_tokens, args.limit_per_category, args.out,
-                      args.target, args.cache_dir, args.depth, args.tree_top_k, args.total_tokens, args.seed)
+                      args.target, args.cache_dir, args.depth, args.tree_top_k, args.total_tokens, args.seed,
+                      static_tree=args.static_tree)
     from .bench.runner import markdown_table
     summary = run_bench(cfg)
     print(markdown_table(summary))

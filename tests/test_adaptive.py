@@ -12,7 +12,7 @@ from jakiro.decoding.engine import Engine
 from jakiro.decoding.proposers import DraftProposer, TreeBudget
 from jakiro.decoding.tree import build_tree
 from jakiro.decoding.verify import Verdict
-from test_speculative_greedy import assert_same, random_draft, tiny  # noqa: F401  (fixture)
+from test_speculative_greedy import assert_same, random_draft
 
 FREE = CostTable({1: 1.0, 32: 1.0}, {d: 0.0 for d in range(1, 7)})  # verification and drafting cost nothing
 DEAR = CostTable({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0, 32: 32.0}, {d: 0.5 * d for d in range(1, 7)})

@@ -33,6 +33,10 @@ def test_generate_json():
     (["--top-p", "1.5"], "top_p must be in (0, 1]"),
     (["--top-k", "2.5"], "argument --top-k: invalid int value: '2.5'"),
     (["--method", "jakiro", "--draft", "/nonexistent/draft"], "draft folder not found"),
+    (["--method", "pld", "--tree", "static:cpu"], "--tree applies to eagle2 and jakiro drafts"),
+    (["--method", "jakiro", "--tree", "static:nowhere.json"], "neither a preset"),
+    (["--method", "jakiro", "--tree", "static:cpu", "--depth", "3"], "a static --tree fixes the tree"),
+    (["--method", "banana"], "argument --method: invalid choice"),
 ])
 def test_bad_input_gives_one_line_error(args, message):
     res = run_cli("generate", "--prompt", "hi", *args)
@@ -58,6 +62,21 @@ def test_unreadable_gguf(tmp_path):
 
 
 
+def test_generate_with_a_static_tree_and_with_lookup_branches():
+    res = run_cli("generate", "--prompt", "Repeat: one two three, one two three.", "--method", "jakiro+pld",
+                  "--json", "--compare", "--max-new-tokens", "24", "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["method"] == "jakiro+pld" and out["same_as_ar"] is True and out["tree"]["adaptive"] is True
+    assert sum(out["accepted_from"].values()) == round(out["tau"] * out["target_forwards"]) - out["target_forwards"]
+    res = run_cli("generate", "--prompt", "Name three primary colors.", "--method", "eagle2", "--json", "--compare",
+                  "--tree", "static:eagle1", "--max-new-tokens", "16", "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["same_as_ar"] is True and out["tree"]["adaptive"] is False
+    assert out["tree"]["static"][:4] == [[0], [1], [2], [3]] and len(out["tree"]["static"]) == 25
+
+
 def test_generate_with_shipped_jakiro_draft_reports_tree_tau_and_speedup():
     res = run_cli("generate", "--prompt", "Name three primary colors.", "--method", "jakiro", "--json",
                   "--compare", "--max-new-tokens", "24", "--threads", "1")
@@ -65,5 +84,5 @@ def test_generate_with_shipped_jakiro_draft_reports_tree_tau_and_speedup():
     out = json.loads(res.stdout)
     assert out["method"] == "jakiro" and out["same_as_ar"] is True
     assert out["tau"] >= 1.0 and out["target_forwards"] >= 1 and out["speedup"] > 0
-    assert set(out["tree"]) >= {"depth", "top_k", "total_tokens", "candidate_mode", "draft_vocab", "tuned"}
+    assert set(out["tree"]) >= {"depth", "top_k", "total_tokens", "candidate_mode", "draft_vocab", "tuned", "adaptive"}
     assert len(out["accept_rate_per_depth"]) >= 1

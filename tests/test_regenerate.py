@@ -156,3 +156,19 @@ def test_full_disk_while_writing_a_shard_is_a_clear_error(tmp_path, monkeypatch)
     with pytest.raises(JakiroError, match="No space left on device.*earlier shards are intact"):
         _write_shard(str(tmp_path), 1, [record])
     assert sorted(os.listdir(tmp_path)) == ["shard-00000.safetensors"]  # no torn shard
+
+
+def test_sources_gzip_and_non_utf8(tmp_path):
+    import gzip
+
+    from jakiro.data.conversations import iter_conversations
+    from jakiro.errors import JakiroError
+    rows = [{"messages": m} for m in CONVERSATIONS[:2]]
+    gz = tmp_path / "c.jsonl.gz"
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    assert list(iter_conversations(str(gz))) == CONVERSATIONS[:2]
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(json.dumps(rows[0]).encode() + b"\n" + '{"messages": "caf\xe9"}'.encode("latin-1") + b"\n")
+    with pytest.raises(JakiroError, match=r"latin1.jsonl:2: not UTF-8 text"):
+        list(iter_conversations(str(bad)))

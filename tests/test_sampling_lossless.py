@@ -177,6 +177,24 @@ def test_cost_aware_drafting_sampling_matches_plain(tiny_small_vocab, params):
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
+def test_static_tree_sampling_matches_plain(tiny_small_vocab):
+    from jakiro.decoding.static_tree import StaticTree, validate_paths
+    target, tok, prompt = tiny_small_vocab
+    kw = PARAM_SETS["T=0.7,p=0.9,k=20"]
+    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", num_experts=3,
+                                 experts_per_token=2, draft_vocab_size=24)
+    torch.manual_seed(2)
+    draft = DraftModel(cfg).eval()
+    draft.reset_parameters(std=0.3)
+    draft.attach_target(target.embed, target.lm_head.weight)
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]  # last level from the contrastive branch
+    static = StaticTree("t", validate_paths(paths, "t"))
+    engine = Engine(target, tok, DraftProposer(draft, TreeBudget(), static=static))
+    assert engine.proposer.parallel
+    samples = sample_three(engine, prompt, kw, N_SAMPLES)
+    check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
+
+
 def forgetful_verify_sampling(tree, logits, params, generator):
     """A deliberately wrong verifier: after a fully accepted path it samples the bonus token from
     the raw softmax, ignoring temperature, top-p and top-k (the reference code's bug)."""

@@ -4,11 +4,10 @@ token (20 Spec-Bench prompts x 128 tokens on a tiny target, and SmolLM2 with rea
 import pytest
 import torch
 
-from helpers import CharTokenizer, TargetTreeProposer, make_tiny_target, spec_bench_prompts
+from helpers import TargetTreeProposer, spec_bench_prompts
 from jakiro.decoding.engine import Engine
 from jakiro.decoding.proposers import DraftProposer, PromptLookupProposer, TreeBudget
 from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
-from jakiro.models.target import TargetModel
 
 N_PROMPTS, N_TOKENS = 20, 128
 
@@ -27,18 +26,6 @@ DRAFT_CASES = [
     ("jakiro", {"num_experts": 4, "experts_per_token": 2, "draft_vocab_size": 48}, TreeBudget(3, 1, 3),
      "decoupled", True),
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("greedy")
-    target = TargetModel.from_folder(make_tiny_target(str(root / "target"), "llama", eos_token_id=None))
-    tok = CharTokenizer()
-    tok.eos_token_id = None  # no EOS: every run produces all 128 tokens
-    prompts = [tok(p).input_ids[:200] for p in spec_bench_prompts(N_PROMPTS)]
-    reference = [Engine(target, tok).generate(p, N_TOKENS).token_ids for p in prompts]
-    assert all(len(r) == N_TOKENS for r in reference)
-    return root, target, tok, prompts, reference
 
 
 def random_draft(root, target, method, overrides, name):

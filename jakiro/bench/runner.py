@@ -18,7 +18,9 @@ from ..data.questions import read_questions
 HF_METHODS = ("hf", "hf-pld")
 # benchmark names for a method with options: Jakiro's blended candidates, drafts on their fixed tree
 VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
-            "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False})}
+            "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False}),
+            # the static tree of --static-tree
+            "eagle2-static": ("eagle2", {"tree": None}), "jakiro-static": ("jakiro", {"tree": None})}
 KNOWN = METHODS + tuple(VARIANTS) + HF_METHODS
 
 
@@ -38,6 +40,7 @@ class BenchConfig:
     total_tokens: int | None = None
     seed: int = 0
     warmup: int = 1
+    static_tree: str = "static:cpu"  # the tree of the -static methods
 
 
 def select_questions(questions: list[dict], limit: int | None) -> list[dict]:
@@ -94,6 +97,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         if m in HF_METHODS:
             continue
         method, options = VARIANTS.get(m, (m, {}))
+        if "tree" in options:
+            options = dict(options, tree=cfg.static_tree)
         draft = cfg.drafts.get(m) or cfg.drafts.get(method.removesuffix("+pld"))
         engines[m] = jk.add_method(method, draft, budget, cache_dir=cfg.cache_dir, **options)
     hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None

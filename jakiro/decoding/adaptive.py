@@ -34,7 +34,7 @@ BUCKETS = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior
 PRIOR_SHRINK = 0.8  # prior: a node is accepted with 0.8 x its draft probability
 PRIOR_DEPTH = 0.6  # prior: P(path reaches depth i) = 0.6 ** i (optimistic, so drafting is tried)
-PRIOR_LOOKUP = 0.5  # prior: a prompt-lookup node at depth i is accepted with 0.5 ** i
+PRIOR_LOOKUP = 0.5  # prior: each prompt-lookup token matches with 0.5 once the ones before it did
 
 
 @dataclass
@@ -133,11 +133,13 @@ class AdaptiveProposer(Proposer):
         self.seen = torch.full_like(mids, PRIOR_WEIGHT)
         self.nodes = {d: float(d) for d in range(1, D + 1)}  # typical verified draft nodes per depth
         L = self.lookup.num_tokens if self.lookup else 0
-        self.lookup_hits = PRIOR_WEIGHT * PRIOR_LOOKUP ** torch.arange(1, L + 1, dtype=torch.float32)
+        # per chain position i: P(token i matches | tokens before it matched)
+        self.lookup_hits = torch.full((L,), PRIOR_WEIGHT * PRIOR_LOOKUP)
         self.lookup_seen = torch.full((L,), PRIOR_WEIGHT)
         self.idle = 0
         self.wait = PROBE_AFTER
         self.shadow: Tree | None = None  # a probe's draft, compared with the next committed token
+        self.chain: list[int] = []  # this cycle's lookup continuation, compared with what is committed
 
     def start(self, max_len: int) -> None:
         self.inner.start(max_len)
@@ -176,16 +178,18 @@ class AdaptiveProposer(Proposer):
 
     def acceptance(self, tree: Tree) -> torch.Tensor:
         """Estimated P(node accepted) [n] (root 1): calibrated draft probability for drafted
-        nodes, the observed rate per depth for lookup nodes, the larger for nodes from both;
-        capped by the parent's estimate so that the best k nodes are always ancestor-closed."""
+        nodes, the observed chance that the lookup chain matches that deep for lookup nodes, the
+        larger for nodes from both; capped by the parent's estimate so that the best k nodes are
+        always ancestor-closed."""
         est = torch.zeros(tree.size)
         sources = tree.sources if tree.sources is not None else torch.full((tree.size,), DRAFT)
         drafted = (sources & DRAFT) > 0
         est[drafted] = self.calibrated(tree.scores[drafted].exp())
         looked = ((sources & LOOKUP) > 0).nonzero().flatten()
-        if looked.numel():
-            d = (tree.depths[looked] - 1).clamp(max=len(self.lookup_seen) - 1)
-            est[looked] = torch.maximum(est[looked], self.lookup_hits[d] / self.lookup_seen[d])
+        if looked.numel():  # P(the chain matches up to depth d) = product of per-position rates
+            reach = (self.lookup_hits / self.lookup_seen).cumprod(0)
+            d = (tree.depths[looked] - 1).clamp(max=len(reach) - 1)
+            est[looked] = torch.maximum(est[looked], reach[d])
         est[0] = 1.0
         capped = est.tolist()
         parents = tree.parents.tolist()
@@ -217,6 +221,7 @@ class AdaptiveProposer(Proposer):
 
     def propose(self, context: list[int]) -> Tree:
         chain = self.lookup.lookup(context) if self.lookup else []
+        self.chain = chain
         if not self.adaptive:
             tree = self.inner.propose(context)
             return add_chain(tree, chain) if chain else tree
@@ -254,6 +259,7 @@ class AdaptiveProposer(Proposer):
             self._calibrate(shadow.scores[level], hit)
             self.tried[1] += 1
             self.reached[1] += float(hit.any())
+        self._lookup_feedback(tree, verdict)
         if tree.size == 1 or tree.scores is None:
             return
         accepted = verdict.accepted
@@ -267,11 +273,22 @@ class AdaptiveProposer(Proposer):
             accept_length = int(accepted.shape[0]) - 1
             self.tried[1:depth + 1] += 1
             self.reached[1:min(depth, accept_length) + 1] += 1
-        looked = (sources & LOOKUP) > 0
-        if bool(looked.any()):
-            d = (tree.depths[looked] - 1).clamp(max=len(self.lookup_seen) - 1)
-            self.lookup_seen.index_add_(0, d, torch.ones(d.shape[0]))
-            self.lookup_hits.index_add_(0, d, on_path[looked].float())
+
+    def _lookup_feedback(self, tree: Tree, verdict) -> None:
+        """Score the lookup chain against the tokens this cycle committed, position by position
+        until the first miss: its verified nodes, and also the ones the cut left out (free to
+        check, so the lookup keeps being judged while it is not proposed)."""
+        chain, self.chain = self.chain, []
+        if not chain:
+            return
+        committed = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
+        L = len(self.lookup_seen)
+        for i, tok in enumerate(chain[:min(L, len(committed))]):
+            hit = committed[i] == tok
+            self.lookup_seen[i] += 1
+            self.lookup_hits[i] += float(hit)
+            if not hit:
+                break
 
     def describe(self) -> dict:
         return {"adaptive": self.adaptive, "lookup": self.lookup is not None,

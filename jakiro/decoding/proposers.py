@@ -79,6 +79,11 @@ class TreeBudget:
             raise ValueError(f"tree budget must be positive: {self}")
 
 
+def _head_size(draft, limit: int | None) -> int:
+    cfg = draft.config
+    return limit or cfg.draft_vocab_size or cfg.vocab_size
+
+
 class DraftProposer(Proposer):
     """EAGLE-2 dynamic tree from a draft model; with a Jakiro draft, candidates come from the
     activated experts (``decoupled``) or from their blend (``blended``), and with parallel
@@ -87,8 +92,13 @@ class DraftProposer(Proposer):
     needs_features = True
 
     def __init__(self, draft, budget: TreeBudget, candidate_mode: str | None = None,
-                 parallel_decoding: bool | None = None):
+                 parallel_decoding: bool | None = None, static=None):
+        """``static``: a ``StaticTree`` to draft instead of the dynamic tree (the budget is then
+        derived from it)."""
         cfg = draft.config
+        self.static = static
+        if static is not None:  # scratch for every forwarded node, one slot per tree node
+            budget = TreeBudget(static.depth, len(static.paths), len(static.paths))
         self.draft, self.budget = draft, budget
         self.name = cfg.method
         self.mode = "single" if cfg.method == "eagle2" else (candidate_mode or cfg.candidate_mode)
@@ -99,6 +109,9 @@ class DraftProposer(Proposer):
             raise ValueError("this draft has no contrastive branch: parallel decoding is unavailable")
         if self.parallel and budget.depth < 2:
             self.parallel = False  # the contrastive layer needs a layer above it
+        if static is not None and self.parallel:
+            # the contrastive branch of a node's forward predicts the children of its best child only
+            self.parallel = all(p[-2] == 0 for p in static.at_depth(static.depth))
         self.max_tree_tokens = budget.total_tokens + 1
         self.head_vocab: int | None = None  # use only the most frequent entries of a reduced head
         self.cache = None
@@ -166,6 +179,8 @@ class DraftProposer(Proposer):
         cache.commit(m)
         self.draft_forwards += 1
         base = cache.length  # = position of the root token
+        if self.static is not None:
+            return self._propose_static(context, out, m, base)
 
         # candidate arrays (creation order); parent -1 = root
         cand_tokens, cand_scores, cand_parents = [], [], []
@@ -223,5 +238,67 @@ class DraftProposer(Proposer):
         tokens = torch.cat((torch.tensor([context[-1]]), torch.cat(cand_tokens)[kept]))
         tree = build_tree(tokens, torch.cat((torch.tensor([-1]), parents)))
         tree.scores = torch.cat((torch.zeros(1), all_scores[kept]))
+        tree.sources = torch.tensor([0] + [DRAFT] * (tree.size - 1))
+        return tree
+
+    def _propose_static(self, context: list[int], out, m: int, base: int) -> Tree:
+        """Fill the static tree level by level: the children of all nodes at one level come from
+        one draft forward of those nodes (rank r = the node's r-th candidate); with parallel
+        decoding the last level comes from the contrastive branch of the level above's parents."""
+        st, draft, cache = self.static, self.draft, self.cache
+        tokens, parents, scores = [context[-1]], [-1], [0.0]
+        node_of: dict[tuple, int] = {(): 0}
+        output_of: dict[tuple, tuple] = {(): (out, m - 1)}  # forwarded node -> (draft output, row)
+        slots_of: dict[tuple, list[int]] = {(): []}  # scratch slots of a node's forwarded ancestors-or-self
+        carried: dict[tuple, tuple] = {}  # node -> (feature that proposed it, its token)
+        n_slots = 0
+        available = _head_size(draft, self.head_vocab)
+        for level in range(1, st.depth + 1):
+            kids = [c for c in st.at_depth(level) if c[:-1] in node_of]
+            if not kids:
+                break
+            contrastive = self.parallel and level == st.depth
+            sources = list(dict.fromkeys(c[:-2] if contrastive else c[:-1] for c in kids))
+            k = min(max(c[-1] for c in kids) + 1, available)
+            outs = output_of[sources[0]][0]  # every source was forwarded together
+            rows = torch.tensor([output_of[p][1] for p in sources])
+            if contrastive:
+                tok, logp = self._contrastive_children(outs, rows, k)
+                feats = None
+            else:
+                tok, logp, feats = self._children(outs, rows, k)
+            for c in kids:
+                rank = c[-1]
+                if rank >= tok.shape[1]:
+                    continue  # a rank beyond what the draft can supply
+                i = sources.index(c[:-2] if contrastive else c[:-1])
+                parent = node_of[c[:-1]]
+                node_of[c] = len(tokens)
+                tokens.append(int(tok[i, rank]))
+                parents.append(parent)
+                scores.append(scores[parent] + float(logp[i, rank]))
+                if feats is not None:
+                    carried[c] = (feats[i, rank], int(tok[i, rank]))
+            below = [c for c in st.at_depth(level + 1) if c[:-1] in node_of]
+            if not below or (self.parallel and level + 1 == st.depth):
+                continue  # nothing to forward: no next level, or it comes from the contrastive branch
+            forward = list(dict.fromkeys(c[:-1] for c in below))
+            P = len(forward)
+            mask = torch.zeros(P, n_slots + P, dtype=torch.bool)
+            for j, p in enumerate(forward):
+                slots_of[p] = slots_of[p[:-1]] + [n_slots + j]
+                mask[j, slots_of[p]] = True
+            attn = torch.cat((torch.ones(P, base, dtype=torch.bool), mask), 1)
+            in_feats = torch.stack([carried[p][0] for p in forward])
+            in_tokens = torch.tensor([carried[p][1] for p in forward])
+            o = draft(in_feats.unsqueeze(0), in_tokens.unsqueeze(0), torch.full((P,), base + level - 1), cache, attn)
+            cache.commit(P)
+            self.draft_forwards += 1
+            n_slots += P
+            for j, p in enumerate(forward):
+                output_of[p] = (o, j)
+        cache.truncate(base)
+        tree = build_tree(torch.tensor(tokens), torch.tensor(parents))
+        tree.scores = torch.tensor(scores)
         tree.sources = torch.tensor([0] + [DRAFT] * (tree.size - 1))
         return tree
