@@ -187,6 +187,11 @@ def cmd_generate(args) -> int:
               args.tree)
     engine = jk.engine()
     stream_out = not args.json
+    if args.compare and engine.method != "ar":
+        # untimed warm-up of both engines, so that neither side of the comparison pays the
+        # process's one-time costs (kernel selection, first allocations)
+        for e in (engine, jk.engine("ar")):
+            e.generate(args.prompt, 8, params, args.stop, not args.raw)
     result = engine.generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw,
                              on_text=(lambda t: print(t, end="", flush=True)) if stream_out else None)
     out = {"method": result.method, "text": result.text, "token_ids": result.token_ids,

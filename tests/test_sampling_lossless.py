@@ -135,12 +135,7 @@ def test_oracle_tree_sampling_matches_plain(tiny_small_vocab, params):
 def test_jakiro_draft_sampling_matches_plain(tiny_small_vocab, params):
     target, tok, prompt = tiny_small_vocab
     kw = PARAM_SETS[params]
-    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", num_experts=3,
-                                 experts_per_token=2, draft_vocab_size=24)
-    torch.manual_seed(0)
-    draft = DraftModel(cfg).eval()
-    draft.reset_parameters(std=0.3)
-    draft.attach_target(target.embed, target.lm_head.weight)
+    draft = random_jakiro_draft(target, seed=0)
     engine = Engine(target, tok, DraftProposer(draft, TreeBudget(depth=3, top_k=3, total_tokens=10)))
     samples = sample_three(engine, prompt, kw, N_SAMPLES)
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
@@ -154,12 +149,7 @@ def test_cost_aware_drafting_sampling_matches_plain(tiny_small_vocab, params):
     from jakiro.decoding.proposers import PromptLookupProposer
     target, tok, prompt = tiny_small_vocab
     kw = PARAM_SETS[params]
-    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", num_experts=3,
-                                 experts_per_token=2, draft_vocab_size=24)
-    torch.manual_seed(1)
-    draft = DraftModel(cfg).eval()
-    draft.reset_parameters(std=0.3)
-    draft.attach_target(target.embed, target.lm_head.weight)
+    draft = random_jakiro_draft(target, seed=1)
     # drafting pays under the optimistic prior and stops paying after a cycle that accepts nothing
     costs = CostTable({1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 8: 2.4, 16: 4.0}, {1: 0.3, 2: 0.5, 3: 0.7})
     proposer = AdaptiveProposer(DraftProposer(draft, TreeBudget(depth=3, top_k=3, total_tokens=10)), target, costs,
@@ -181,18 +171,24 @@ def test_static_tree_sampling_matches_plain(tiny_small_vocab):
     from jakiro.decoding.static_tree import StaticTree, validate_paths
     target, tok, prompt = tiny_small_vocab
     kw = PARAM_SETS["T=0.7,p=0.9,k=20"]
-    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", num_experts=3,
-                                 experts_per_token=2, draft_vocab_size=24)
-    torch.manual_seed(2)
-    draft = DraftModel(cfg).eval()
-    draft.reset_parameters(std=0.3)
-    draft.attach_target(target.embed, target.lm_head.weight)
+    draft = random_jakiro_draft(target, seed=2)
     paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]  # last level from the contrastive branch
     static = StaticTree("t", validate_paths(paths, "t"))
     engine = Engine(target, tok, DraftProposer(draft, TreeBudget(), static=static))
     assert engine.proposer.parallel
     samples = sample_three(engine, prompt, kw, N_SAMPLES)
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
+
+
+def random_jakiro_draft(target, seed: int):
+    """A random Jakiro draft (3 experts, 2 active, 24-token head) attached to the tiny target."""
+    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", num_experts=3,
+                                 experts_per_token=2, draft_vocab_size=24)
+    torch.manual_seed(seed)
+    draft = DraftModel(cfg).eval()
+    draft.reset_parameters(std=0.3)
+    draft.attach_target(target.embed, target.lm_head.weight)
+    return draft
 
 
 def forgetful_verify_sampling(tree, logits, params, generator):

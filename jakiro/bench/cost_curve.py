@@ -10,36 +10,9 @@ import time
 
 import torch
 
-TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+from ..decoding.costs import forward_costs, median_ms
+
 PROMPT = "Write a detailed, step by step explanation of how a refrigerator keeps food cold."
-
-
-def _median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
-
-
-def forward_costs(target, context: int, repeats: int, sizes=TREE_SIZES) -> dict[int, float]:
-    """Median ms of one forward over n new tokens (a chain-shaped tree mask) after ``context``
-    cached tokens."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = target.config.vocab_size
-    cache = target.new_cache(context, scratch=max(sizes))
-    target(torch.randint(0, vocab, (context,), generator=gen), cache, logits_rows=slice(-1, None))
-    cache.commit(context)
-    costs = {}
-    for n in sizes:
-        ids = torch.randint(0, vocab, (n,), generator=gen)
-        mask = torch.ones(n, n, dtype=torch.bool).tril_()
-        positions = torch.arange(context, context + n)
-        costs[n] = _median_ms(lambda: target(ids, cache, positions, mask if n > 1 else None), repeats)
-    return costs
 
 
 def weight_bytes(target) -> int:
@@ -57,7 +30,7 @@ def memory_floor_ms(nbytes: int, repeats: int) -> float:
     """Median ms to read ``nbytes`` once (a sum over a buffer of that size): the least time any
     forward that streams that many bytes of weights can take on this machine."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    return _median_ms(lambda: buf.sum(), repeats)
+    return median_ms(lambda: buf.sum(), repeats)
 
 
 def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> dict:
@@ -83,7 +56,7 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
         def step():
             out = draft(feats, toks, positions, cache, mask)
             return draft.head_logits(out.blend)
-        step_ms = _median_ms(step, repeats)
+        step_ms = median_ms(step, repeats)
 
     proposer = DraftProposer(draft, TreeBudget())
     proposer.start(context + 4 * repeats + 64)
@@ -96,7 +69,7 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
         proposer.propose(ids)
     return {"draft": shipped_draft(method), "head_vocab": draft.config.draft_vocab_size,
             "step_ms": round(step_ms, 2), "step_nodes": nodes,
-            "propose_ms": round(_median_ms(cycle, repeats), 2),
+            "propose_ms": round(median_ms(cycle, repeats), 2),
             "tree": {"depth": proposer.budget.depth, "top_k": proposer.budget.top_k,
                      "total_tokens": proposer.budget.total_tokens}}
 

@@ -58,7 +58,7 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     from tqdm import tqdm
 
     from ..api import load
-    from ..bench.cost_curve import forward_costs
+    from ..decoding.costs import forward_costs
     from ..decoding.engine import Engine
     from ..decoding.proposers import DraftProposer, TreeBudget
     from ..draft.checkpoint import read_draft_config

@@ -19,12 +19,11 @@ Verification is untouched: any tree chosen before the target's forward keeps dec
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
+from .costs import forward_costs, median_ms
 from .proposers import DraftProposer, PromptLookupProposer, Proposer
 from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree
 
@@ -65,16 +64,6 @@ class CostTable:
                 "draft_ms": {str(k): round(v, 3) for k, v in self.draft_ms.items()}}
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
-
-
 @torch.inference_mode()
 def measure_costs(target, proposer: DraftProposer, context: int = 128, repeats: int = 3) -> CostTable:
     """Measure the cost table once (about a second for SmolLM2-135M on two cores)."""
@@ -82,16 +71,8 @@ def measure_costs(target, proposer: DraftProposer, context: int = 128, repeats: 
     vocab = target.config.vocab_size
     max_n = proposer.max_tree_tokens
     context = min(context, target.config.max_context - max_n - 8)
-    cache = target.new_cache(context, scratch=max_n)
-    target(torch.randint(0, vocab, (context,), generator=gen), cache, logits_rows=slice(0, 0))
-    cache.commit(context)
     sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n < max_n} | {max_n})
-    target_ms = {}
-    for n in sizes:
-        ids = torch.randint(0, vocab, (n,), generator=gen)
-        mask = torch.ones(n, n, dtype=torch.bool).tril_()
-        positions = torch.arange(context, context + n)
-        target_ms[n] = _median_ms(lambda: target(ids, cache, positions, mask if n > 1 else None), repeats)
+    target_ms = forward_costs(target, context, repeats, sizes)
     d = proposer.draft.config.hidden_size
     ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
     proposer.start(context + (proposer.budget.depth + 1) * (repeats + 1) + 8)
@@ -102,7 +83,7 @@ def measure_costs(target, proposer: DraftProposer, context: int = 128, repeats: 
         def one():
             proposer.observe(torch.randn(1, d, generator=gen), torch.tensor([ids[0]]))
             proposer.propose(ids, depth=depth)
-        draft_ms[depth] = _median_ms(one, repeats)
+        draft_ms[depth] = median_ms(one, repeats, warmup=1)
     return CostTable(target_ms, draft_ms)
 
 

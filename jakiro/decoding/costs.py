@@ -1,0 +1,41 @@
+"""Measuring what the target's forwards cost on this machine: the timing helpers shared by
+cost-aware drafting, ``jakiro bench-cost`` and ``jakiro tune``."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn`` in milliseconds, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+@torch.inference_mode()
+def forward_costs(target, context: int, repeats: int, sizes=TREE_SIZES) -> dict[int, float]:
+    """Median ms of one forward over n new tokens (a chain-shaped tree mask) after ``context``
+    cached tokens."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = target.config.vocab_size
+    cache = target.new_cache(context, scratch=max(sizes))
+    target(torch.randint(0, vocab, (context,), generator=gen), cache, logits_rows=slice(0, 0))
+    cache.commit(context)
+    costs = {}
+    for n in sizes:
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        mask = torch.ones(n, n, dtype=torch.bool).tril_()
+        positions = torch.arange(context, context + n)
+        costs[n] = median_ms(lambda: target(ids, cache, positions, mask if n > 1 else None), repeats)
+    return costs
