@@ -68,7 +68,8 @@ def test_generate_with_a_static_tree_and_with_lookup_branches():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["method"] == "jakiro+pld" and out["same_as_ar"] is True and out["tree"]["adaptive"] is True
-    assert sum(out["accepted_from"].values()) == round(out["tau"] * out["target_forwards"]) - out["target_forwards"]
+    bonuses = round(out["tau"] * out["target_forwards"]) - sum(out["accepted_from"].values())
+    assert bonuses in (out["target_forwards"] - 1, out["target_forwards"])  # the last may be cut
     res = run_cli("generate", "--prompt", "Name three primary colors.", "--method", "eagle2", "--json", "--compare",
                   "--tree", "static:eagle1", "--max-new-tokens", "16", "--threads", "1")
     assert res.returncode == 0, res.stderr

@@ -53,3 +53,18 @@ def test_deep_draft_tree_at_the_end_of_the_context(tmp_path):
     prompt = list(range(2, 122))  # 120 tokens: generation reaches position 127, the drafts beyond it
     plain = Engine(target, tok).generate(prompt, 8).token_ids
     assert engine.generate(prompt, 8).token_ids == plain
+
+
+def test_accepted_tokens_by_source_count_only_kept_tokens(tmp_path):
+    from jakiro.decoding.proposers import PromptLookupProposer
+    target, tok = tiny(tmp_path)
+    prompt = tok("abcabcabcabcabcabcabcabc").input_ids
+    engine = Engine(target, tok, PromptLookupProposer(num_tokens=6))
+    for n in (3, 5, 11, 40):
+        m = engine.generate(prompt, n).metrics
+        assert m.committed == m.new_tokens - 1
+        # every kept cycle token is an accepted lookup token or a cycle's bonus; the last cycle's
+        # bonus may be cut by the length limit
+        bonuses = m.committed - m.accepted_from["lookup"]
+        assert bonuses in (m.target_forwards - 1, m.target_forwards), n
+        assert m.accepted_from["draft"] == m.accepted_from["both"] == 0

@@ -148,13 +148,17 @@ class AdaptiveProposer(Proposer):
                 best_depth, best_rate = d, rate
         return best_depth
 
+    def _bucket(self, draft_prob: torch.Tensor) -> torch.Tensor:
+        return (torch.bucketize(draft_prob, BUCKETS, right=True) - 1).clamp(0, len(self.seen) - 1)
+
     def _calibrate(self, scores: torch.Tensor, accepted: torch.Tensor) -> None:
-        b = (torch.bucketize(scores.exp(), BUCKETS, right=True) - 1).clamp(0, len(self.seen) - 1)
+        b = self._bucket(scores.exp())
         self.seen.index_add_(0, b, torch.ones(b.shape[0]))
         self.hits.index_add_(0, b, accepted.float())
 
     def calibrated(self, draft_prob: torch.Tensor) -> torch.Tensor:
-        b = (torch.bucketize(draft_prob, BUCKETS, right=True) - 1).clamp(0, len(self.seen) - 1)
+        """Observed acceptance of nodes whose draft probability fell in the same bucket."""
+        b = self._bucket(draft_prob)
         return self.hits[b] / self.seen[b]
 
     def acceptance(self, tree: Tree) -> torch.Tensor:
@@ -270,9 +274,3 @@ class AdaptiveProposer(Proposer):
             self.lookup_hits[i] += float(hit)
             if not hit:
                 break
-
-    def describe(self) -> dict:
-        return {"adaptive": self.adaptive, "lookup": self.lookup is not None,
-                "costs": self.costs.as_dict() if self.costs else None,
-                "draft_tree": {"depth": self.inner.budget.depth, "top_k": self.inner.budget.top_k,
-                               "total_tokens": self.inner.budget.total_tokens}}

@@ -196,14 +196,14 @@ class Engine:
         context = list(ids)
         generated: list[int] = []
         finish = None
-        pending = [first]
+        pending, pending_sources = [first], [None]
+        sources: list[str | None] = []  # per generated token: which proposal it was accepted from
         while True:
             # commit pending tokens one by one so that stop rules cut at the exact token
-            for tok in pending:
+            for tok, src in zip(pending, pending_sources):
                 generated.append(tok)
+                sources.append(src)
                 context.append(tok)
-                if metrics.target_forwards:  # τ counts only what verification commits and is kept
-                    metrics.committed += 1
                 if tok in self.eos_ids:
                     finish = "stop"
                     break
@@ -216,9 +216,8 @@ class Engine:
             if cut is not None:
                 finish = "stop"
                 kept = self._tokens_before(generated, cut)
-                if metrics.target_forwards:
-                    metrics.committed -= len(generated) - kept
                 del generated[kept:]  # token ids end where the text does
+                del sources[kept:]
             if finish:
                 break
             t0 = time.perf_counter()
@@ -237,10 +236,9 @@ class Engine:
             metrics.target_s += t2 - t1
             metrics.target_forwards += 1
             metrics.plain_steps += tree.size == 1
-            if tree.sources is not None:
-                for src in tree.sources[verdict.accepted[1:]].tolist():
-                    metrics.accepted_from[_SOURCE_NAMES[src]] += 1
             pending = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
+            pending_sources = ([_SOURCE_NAMES[s] for s in tree.sources[verdict.accepted[1:]].tolist()]
+                               if tree.sources is not None else [None] * verdict.accept_length) + [None]
             metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
             if proposer.needs_features:
                 proposer.observe(feats[verdict.accepted], torch.tensor(pending))
@@ -248,6 +246,12 @@ class Engine:
         if tail:
             yield tail
         metrics.new_tokens = len(generated)
+        # every kept token but the prefill's first came from a verification cycle: τ counts those
+        # (not tokens verified past EOS, the length limit or a stop string)
+        metrics.committed = max(0, len(generated) - 1)
+        for src in sources:
+            if src is not None:
+                metrics.accepted_from[src] += 1
         metrics.total_s = time.perf_counter() - t_start
         return GenerationResult(tracker.text, generated, finish, metrics, self.method)
 
