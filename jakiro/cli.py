@@ -202,7 +202,7 @@ def cmd_generate(args) -> int:
         out["tree"] = {"depth": b.depth, "top_k": b.top_k, "total_tokens": b.total_tokens,
                        "candidate_mode": drafter.mode, "parallel_decoding": drafter.parallel,
                        "draft_vocab": drafter.head_vocab or drafter.draft.config.draft_vocab_size,
-                       "tuned": getattr(engine, "tuned", False), "adaptive": drafter is not engine.proposer,
+                       "tuned": getattr(engine, "tuned", False), "adaptive": getattr(engine.proposer, "adaptive", False),
                        "static": drafter.static.as_list() if drafter.static else None}
     if args.compare and result.method != "ar":
         base = jk.engine("ar").generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
