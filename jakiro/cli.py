@@ -136,7 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seq-len", type=int, default=512)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--warmup", type=int, default=50)
-    t.add_argument("--eval-every", type=int, default=200)
+    t.add_argument("--unroll", type=int, default=4,
+                   help="draft steps trained per position on the draft's own predictions "
+                        "(training-time test); 1 = single-step training (default: 4)")
+    t.add_argument("--step-decay", type=float, default=0.8,
+                   help="loss weight of unrolled step s is step_decay**(s-1) (default: 0.8)")
+    t.add_argument("--jakiro-loss", choices=("separate", "full", "reference"), default="separate",
+                   help="jakiro: separate = first expert as a draft, second expert on the tokens the "
+                        "first leaves, blend and contrastive; full = every expert toward the same "
+                        "target; reference = blend and contrastive only (default: separate)")
+    t.add_argument("--eval-every", type=int, default=200, help="held-out accuracy every N steps (default: 200)")
+    t.add_argument("--tau-every", type=int, default=0,
+                   help="measure greedy decoding tau on held-out prompts every N steps (default: 0 = never)")
+    t.add_argument("--tau-prompts", type=int, default=6, help="held-out prompts for --tau-every (default: 6)")
     t.add_argument("--checkpoint-every", type=int, default=100)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", help="cpu or cuda (default: cuda when available)")
@@ -298,7 +310,7 @@ def cmd_data(args) -> int:
 
 def cmd_train(args) -> int:
     from .train.trainer import TrainConfig, Trainer
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every"):
+    for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "unroll"):
         if getattr(args, name) < 1:
             raise JakiroError(f"--{name.replace('_', '-')} must be >= 1")
     cfg = TrainConfig(data=args.data, out=args.out, method=args.method, num_experts=args.experts,
@@ -306,7 +318,9 @@ def cmd_train(args) -> int:
                       parallel_decoding=not args.no_parallel, draft_vocab_size=args.draft_vocab or None,
                       steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                       warmup=args.warmup, eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every, seed=args.seed)
+                      checkpoint_every=args.checkpoint_every, seed=args.seed, unroll=args.unroll,
+                      step_decay=args.step_decay, jakiro_loss=args.jakiro_loss, tau_every=args.tau_every,
+                      tau_prompts=args.tau_prompts)
     trainer = Trainer(cfg, args.target, args.cache_dir, resume=args.resume, device=args.device)
     result = trainer.run()
     if trainer.rank == 0:
@@ -344,8 +358,12 @@ def cmd_tune(args) -> int:
     if draft is None:
         raise JakiroError("no draft to tune: pass --draft PATH")
     result = run_tune(draft, args.target, args.cache_dir, args.max_new_tokens)
-    print(json.dumps({k: result[k] for k in ("best", "ar_tokens_per_s", "forward_ms", "saved_to", "threads")},
-                     indent=2))
+    print(json.dumps({k: result.get(k) for k in ("best", "complete", "ar_tokens_per_s", "forward_ms", "saved_to",
+                                                 "threads")}, indent=2))
+    if result.get("interrupted"):
+        print("jakiro: tuning interrupted; the best tree measured so far is saved and used "
+              "(rerun `jakiro tune` to finish)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -114,6 +114,32 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
     assert explicit.engine().proposer.budget.depth == 5 and explicit.engine().tuned is False  # fixed tree
 
 
+def test_interrupted_tune_keeps_the_best_tree_so_far(tmp_path, tiny_chat_target, tiny_draft, monkeypatch):
+    import jakiro
+    from jakiro.bench import tune
+    monkeypatch.setattr(tune, "CHAINS", [(2, 1, 2)])
+    monkeypatch.setattr(tune, "TREES", [(3, 2, 6), (4, 2, 8)])
+    calls = []
+    real = tune._measure
+
+    def measure(engine, prompts, tokens):
+        calls.append(engine)
+        if len(calls) == 5:  # plain decoding, then three screened trees: stopped during the fourth
+            raise KeyboardInterrupt
+        tps, tau = real(engine, prompts, tokens)
+        budget = getattr(engine.proposer, "budget", None)
+        return ({3: 10.0, 4: 30.0}.get(budget.depth, 20.0) if budget else tps), tau
+
+    monkeypatch.setattr(tune, "_measure", measure)
+    result = tune.run_tune(tiny_draft, tiny_chat_target, str(tmp_path / "cache"), max_new_tokens=8,
+                           prompts=["Hello there."], progress=False)
+    assert result["interrupted"] and not result["complete"] and len(result["grid"]) == 3
+    saved = json.load(open(result["saved_to"]))
+    assert saved["complete"] is False and saved["best"]["depth"] == 2  # 20 tokens/s beat the depth-3 trees
+    budget = jakiro.load(tiny_chat_target, tiny_draft, cache_dir=str(tmp_path / "cache")).engine().proposer.inner.budget
+    assert (budget.depth, budget.top_k, budget.total_tokens) == (2, 1, 2)
+
+
 def test_interrupted_bench_resumes_and_other_settings_are_refused(tmp_path, tiny_chat_target, monkeypatch):
     from jakiro.bench import runner
     from jakiro.bench.runner import BenchConfig, run_bench

@@ -12,7 +12,7 @@ from helpers import make_tiny_target
 from jakiro.errors import JakiroError
 from jakiro.models.target import TargetModel
 from jakiro.train.dataset import STATE_FILE, _write_shard
-from jakiro.train.losses import branch_loss
+from jakiro.train.losses import branch_loss, carried_feature, draft_loss, heldout_metrics, second_expert_loss, unroll
 from jakiro.train.trainer import TrainConfig, Trainer
 
 
@@ -29,6 +29,112 @@ def test_branch_loss_hand_computed():
     got = branch_loss(pred, target, probs, head, torch.tensor([1.0]))
     assert abs(float(got) - float(expected)) < 1e-6
     assert float(branch_loss(pred, target, probs, head, torch.tensor([0.0]))) == 0.0
+
+
+def test_second_expert_learns_only_what_the_first_leaves():
+    head = torch.eye(4)
+    pred_a = torch.tensor([[5.0, 4.0, 0.0, 0.0]])  # the first expert's top-2: tokens 0 and 1
+    pred_b = torch.tensor([[1.0, 0.0, 3.0, 0.0]], requires_grad=True)
+    feat = pred_b.detach().clone()  # no feature term
+    agreeing = torch.tensor([[0.6, 0.4, 0.0, 0.0]])  # the target has nothing beyond the first's picks
+    taken = torch.topk(pred_a @ head.T, 2).indices
+    loss = second_expert_loss(taken, pred_b, feat, agreeing, head)
+    assert float(loss.detach()) == 0.0
+    other = torch.tensor([[0.5, 0.1, 0.3, 0.1]])
+    loss = second_expert_loss(taken, pred_b, feat, other, head)
+    # cross-entropy over tokens 2 and 3 only, weighted by the target's mass there
+    logp = torch.log_softmax(torch.tensor([3.0, 0.0]), 0)
+    assert abs(float(loss) - float(-0.1 * (0.3 * logp[0] + 0.1 * logp[1]))) < 1e-6
+    loss.backward()
+    assert pred_b.grad[0, 0] == 0 and pred_b.grad[0, 1] == 0  # the first expert's tokens are not its job
+
+
+def _random_draft(method: str, target_dir: str, seed: int = 0):
+    from jakiro.draft import DraftConfig, DraftModel
+    target = TargetModel.from_folder(target_dir)
+    kw = dict(num_experts=3, experts_per_token=2, parallel_decoding=True) if method == "jakiro" else {}
+    torch.manual_seed(seed)
+    draft = DraftModel(DraftConfig.for_target(target.config, target.hf_config, method, **kw))
+    draft.reset_parameters(std=0.2)
+    return draft.attach_target(target.embed, target.lm_head.weight)
+
+
+@pytest.mark.parametrize("method", ["eagle2", "jakiro"])
+def test_unrolled_training_steps_equal_drafting_with_a_cache(tiny_setup, method):
+    """Step s of row j in training computes exactly what drafting computes s steps deep from root j:
+    the target's features up to j, then the draft's own carried features and the path's tokens."""
+    target, _ = tiny_setup
+    draft = _random_draft(method, target).eval()
+    g = torch.Generator().manual_seed(1)
+    L, d = 14, draft.config.hidden_size
+    feats = torch.randn(1, L, d, generator=g)
+    ids = torch.randint(0, 256, (1, L), generator=g)
+    mask = torch.ones(1, L, dtype=torch.bool)
+    with torch.no_grad():
+        steps = {rows.step: rows for rows in unroll(draft, ids, feats, mask, 3)}
+        for root in (0, 4, 9):
+            cache = draft.new_cache(64)
+            out = draft(feats[:, :root + 1], ids[:, 1:root + 2], torch.arange(root + 1), cache)
+            cache.commit(root + 1)
+            row, carried = out.blend[0, -1], None
+            for s in (1, 2, 3):
+                if s > 1:  # one more step on the carried feature, attending to the cache and itself
+                    out = draft(carried.view(1, 1, d), ids[:, root + s:root + s + 1],
+                                torch.tensor([root + s - 1]), cache)
+                    cache.commit(1)
+                    row = out.blend[0, -1]
+                rows = steps[s]
+                at = int(torch.nonzero((rows.b == 0) & (rows.j == root))[0])
+                torch.testing.assert_close(rows.out.blend[at], row, atol=1e-4, rtol=1e-4)
+                if out.contrastive is not None:
+                    torch.testing.assert_close(rows.out.contrastive[at], out.contrastive[0, -1], atol=1e-4, rtol=1e-4)
+                carried = carried_feature(draft, out)[0, -1]
+
+
+def test_single_step_loss_is_the_sum_of_branch_losses(tiny_setup):
+    target, _ = tiny_setup
+    draft = _random_draft("jakiro", target)
+    g = torch.Generator().manual_seed(2)
+    L, d = 12, draft.config.hidden_size
+    feats = torch.randn(1, L, d, generator=g)
+    ids = torch.randint(0, 256, (1, L), generator=g)
+    mask = torch.zeros(1, L, dtype=torch.bool)
+    mask[0, 5:] = True
+    total, parts = draft_loss(draft, ids, feats, mask, steps=1, jakiro_loss="full")
+    out = draft(feats[:, :-1], ids[:, 1:], torch.arange(L - 1))
+    head = draft.head_weight
+    probs = torch.softmax(feats[0] @ head.T, -1)
+    expect_blend = branch_loss(out.blend[0, 4:], feats[0, 5:], probs[5:], head)
+    expect_experts = sum(branch_loss(out.features[0, 4:, k], feats[0, 5:], probs[5:], head, out.weights[0, 4:, k])
+                         for k in range(2))
+    expect_con = 0.5 * branch_loss(out.contrastive[0, 3:L - 2], feats[0, 5:], probs[5:], head)  # two ahead
+    torch.testing.assert_close(total, expect_blend + expect_experts + expect_con)
+    assert parts["blend"] == pytest.approx(float(expect_blend), rel=1e-5)
+
+
+def test_heldout_metrics_count_what_drafting_would_propose(tiny_setup):
+    target, _ = tiny_setup
+    draft = _random_draft("jakiro", target)
+    full_head = TargetModel.from_folder(target).lm_head.weight
+    g = torch.Generator().manual_seed(3)
+    L, d = 16, draft.config.hidden_size
+    feats = torch.randn(1, L, d, generator=g)
+    ids = torch.randint(0, 256, (1, L), generator=g)
+    mask = torch.zeros(1, L, dtype=torch.bool)
+    mask[0, 6:] = True
+    ev = heldout_metrics(draft, [(ids, feats, mask)], 2, full_head)
+    assert set(ev) == {"top1", "contrastive_top1", "expert_same_top1", "expert_cos"}
+    with torch.no_grad():
+        out = draft(feats[:, :-1], ids[:, 1:], torch.arange(L - 1))
+        best = draft.to_target_ids(draft.head_logits(out.features[0, :, 0]).argmax(-1))  # row j -> x_{j+2}
+        con = draft.to_target_ids(draft.head_logits(out.contrastive[0]).argmax(-1))  # row j -> x_{j+3}
+        target_tok = (feats[0] @ full_head.T).argmax(-1)  # position p -> x_{p+1}
+        tops = draft.head_logits(out.features[0]).argmax(-1)
+    assert ev["top1"][0] == pytest.approx(float((best[5:] == target_tok[6:]).double().mean()))
+    assert ev["contrastive_top1"][0] == pytest.approx(float((con[5:L - 2] == target_tok[7:]).double().mean()))
+    same = rows_same = (tops[:, 0] == tops[:, 1]).double()
+    assert ev["expert_same_top1"][0] == pytest.approx(float(rows_same[5:].mean()))
+    assert 0 <= min(ev["top1"]) and max(ev["top1"]) <= 1 and same.numel() == L - 1
 
 
 def make_feature_dataset(folder: str, target_dir: str, n_records: int = 12, seed: int = 0) -> str:
@@ -210,3 +316,28 @@ def test_data_build_resumes_without_duplicating_records(tmp_path):
     with pytest.raises(JakiroError, match="different settings"):
         build_dataset(str(tmp_path / "resumed"), DataConfig(None, str(src), max_records=6, max_len=99),
                       progress=False)
+
+
+def test_decoding_tau_during_training_is_real_greedy_decoding(tmp_path, tiny_setup, monkeypatch):
+    """The learning curve's τ is what greedy decoding with the draft of that step achieves on the
+    held-out prompts: rerunning the saved draft through an engine gives the same τ."""
+    from helpers import CharTokenizer
+    from jakiro.decoding.engine import Engine
+    from jakiro.decoding.proposers import DraftProposer, TreeBudget
+    from jakiro.draft import load_draft
+    import jakiro.api
+    monkeypatch.setattr(jakiro.api, "load_tokenizer", lambda folder: CharTokenizer())
+    target, data = tiny_setup
+    trainer = Trainer(config(tmp_path / "run", data, steps=4, tau_every=2, tau_prompts=2, tau_tokens=12,
+                             eval_records=2), target, progress=False)
+    trainer.run()
+    assert [r["step"] for r in trainer.log if "tau" in r] == [2, 4]
+    model = TargetModel.from_folder(target)
+    engine = Engine(model, CharTokenizer(), DraftProposer(load_draft(str(tmp_path / "run"), model), TreeBudget()))
+    committed = forwards = 0
+    for i in trainer.eval_idx[:2]:
+        ids, mask, _ = trainer.ds.record(i)
+        m = engine.generate(ids[:int(torch.nonzero(mask)[0])].tolist(), 12).metrics
+        committed, forwards = committed + m.committed, forwards + m.target_forwards
+    assert trainer.log[-1]["tau"] == pytest.approx(committed / forwards)
+    assert "tau" in json.load(open(tmp_path / "run" / "train_log.json"))["log"][-1]

@@ -14,8 +14,10 @@ import torch
 from ..errors import JakiroError
 from ..models.hub import cache_dir
 
-CHAINS = [(d, 1, d) for d in (2, 3, 4, 5, 6)]
-TREES = [(d, k, n) for d in (3, 4, 5) for k in (2, 4) for n in (6, 8, 12, 16)]
+CHAINS = [(d, 1, d) for d in (2, 3, 4, 5)]
+TREES = [(d, k, n) for d in (3, 4, 5) for k in (2, 4) for n in (6, 10, 16)]
+SCREEN_TOKENS = 24  # the first round: every tree on the first calibration prompt, this many tokens
+SURVIVORS = 6  # trees measured on every prompt in the second round
 FINALISTS = 3
 FINAL_ROUNDS = 2
 CALIBRATION = [
@@ -55,6 +57,10 @@ def _measure(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[flo
 
 def run_tune(draft: str, target: str | None = None, cache: str | None = None,
              max_new_tokens: int = 48, prompts: list[str] | None = None, progress: bool = True) -> dict:
+    """Successive halving over the tree grid: every tree on one short prompt, the best
+    ``SURVIVORS`` on every calibration prompt, two reduced draft vocabularies on the best, and
+    the finalists side by side with plain decoding. The best so far is saved after every
+    measurement (``complete: false``), so an interrupted run keeps what it measured."""
     from tqdm import tqdm
 
     from ..api import load
@@ -67,11 +73,22 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     jk = load(target, draft, method, cache_dir=cache, depth=4, top_k=4, total_tokens=8)  # untuned
     base = jk.engine(method)
     prompts_ids = [base.encode(p) for p in (prompts or CALIBRATION)]
-    costs = forward_costs(jk.target, 256, repeats=5, sizes=(1, 2, 4, 8, 16, 32))
-    ar_tps, _ = _measure(jk.engine("ar"), prompts_ids, max_new_tokens)
     model = base.proposer.draft
-    # Jakiro drafts: the last tree layer from the contrastive branch (one draft forward less) or not
-    parallel = [True, False] if method == "jakiro" and model.config.parallel_decoding else [None]
+    vocab = model.config.draft_vocab_size
+    path = tuning_path(draft, cache)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    result = {"draft": os.path.abspath(draft), "method": method, "threads": torch.get_num_threads(),
+              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False, "grid": []}
+    grid = result["grid"]
+
+    def save(best: dict | None = None) -> None:
+        if best is None and grid:
+            best = max(grid, key=lambda r: (r.get("round", 0), r["tokens_per_s"]))
+        if best is not None:
+            result["best"] = dict(best, draft_vocab=best.get("draft_vocab") or vocab)
+            with open(path + ".tmp", "w") as f:
+                json.dump(result, f, indent=2)
+            os.replace(path + ".tmp", path)
 
     def engine_for(row: dict) -> Engine:  # every configuration shares the one loaded draft
         proposer = DraftProposer(model, TreeBudget(row["depth"], row["top_k"], row["total_tokens"]),
@@ -80,46 +97,65 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
             proposer.head_vocab = row["draft_vocab"]
         return Engine(jk.target, jk.tokenizer, proposer)
 
-    grid = []
+    def measure(row: dict, prompts_: list[list[int]], tokens: int, round_: int, bar) -> dict:
+        tps, tau = _measure(engine_for(row), prompts_, tokens)
+        out = dict({k: v for k, v in row.items() if k not in ("tokens_per_s", "tau", "round")},
+                   tokens_per_s=tps, tau=tau, round=round_)
+        grid[:] = [r for r in grid if _tree_key(r) != _tree_key(out)] + [out]
+        save()
+        bar.update(1)
+        bar.set_postfix(best=_describe(max(grid, key=lambda r: (r["round"], r["tokens_per_s"]))))
+        return out
+
+    # Jakiro drafts: the last tree layer from the contrastive branch (one draft forward less) or not
+    parallel = [True, False] if method == "jakiro" and model.config.parallel_decoding else [None]
     configs = [dict(depth=d, top_k=k, total_tokens=n, **({} if p is None else {"parallel_decoding": p}))
                for d, k, n in CHAINS + TREES for p in parallel]
-    for row in tqdm(configs, desc="trees", disable=not progress):
-        tps, tau = _measure(engine_for(row), prompts_ids, max_new_tokens)
-        grid.append(dict(row, tokens_per_s=tps, tau=tau))
-    best = max(grid, key=lambda r: r["tokens_per_s"])
-    vocab = model.config.draft_vocab_size
-    if vocab:
-        for size in (vocab // 4, vocab // 2):
-            row = {k: v for k, v in best.items() if k not in ("tokens_per_s", "tau")}
-            row["draft_vocab"] = size
-            tps, tau = _measure(engine_for(row), prompts_ids, max_new_tokens)
-            grid.append(dict(row, tokens_per_s=tps, tau=tau))
-    # the finalists again, side by side with plain decoding: choose by measured speedup, not by
-    # tokens/s measured minutes apart on a machine whose speed drifts
-    finalists = sorted(grid, key=lambda r: r["tokens_per_s"], reverse=True)[:FINALISTS]
-    engines = [jk.engine("ar")] + [engine_for(r) for r in finalists]
-    tokens = [0] * len(engines)
-    secs = [0.0] * len(engines)
-    for _ in range(FINAL_ROUNDS):
-        for ids in prompts_ids:  # interleaved per prompt
-            for i, engine in enumerate(engines):
-                m = engine.generate(ids, max_new_tokens).metrics
-                tokens[i] += m.new_tokens
-                secs[i] += m.total_s
-    rates = [t / s for t, s in zip(tokens, secs)]
-    speedups = [r / rates[0] for r in rates[1:]]
-    i = max(range(len(finalists)), key=speedups.__getitem__)
-    best = dict(finalists[i], speedup=speedups[i])
-    best.setdefault("draft_vocab", vocab)
-    result = {"draft": os.path.abspath(draft), "method": method, "threads": torch.get_num_threads(),
-              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "ar_tokens_per_s": ar_tps,
-              "forward_ms": {str(k): v for k, v in costs.items()}, "best": best, "grid": grid}
-    path = tuning_path(draft, cache)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    result["saved_to"] = path
+    survivors = min(len(configs), max(SURVIVORS, FINALISTS))
+    bar = tqdm(total=len(configs) + survivors + (2 if vocab else 0), desc="tune", disable=not progress)
+    try:
+        costs = forward_costs(jk.target, 256, repeats=5, sizes=(1, 2, 4, 8, 16, 32))
+        result["forward_ms"] = {str(k): v for k, v in costs.items()}
+        result["ar_tokens_per_s"], _ = _measure(jk.engine("ar"), prompts_ids, max_new_tokens)
+        screened = [measure(row, prompts_ids[:1], min(SCREEN_TOKENS, max_new_tokens), 1, bar) for row in configs]
+        screened.sort(key=lambda r: r["tokens_per_s"], reverse=True)
+        finals = [measure(row, prompts_ids, max_new_tokens, 2, bar) for row in screened[:survivors]]
+        best = max(finals, key=lambda r: r["tokens_per_s"])
+        if vocab:
+            for size in (vocab // 4, vocab // 2):
+                finals.append(measure(dict(best, draft_vocab=size), prompts_ids, max_new_tokens, 2, bar))
+        bar.close()
+        # the finalists again, side by side with plain decoding: choose by measured speedup, not by
+        # tokens/s measured minutes apart on a machine whose speed drifts
+        finalists = sorted(finals, key=lambda r: r["tokens_per_s"], reverse=True)[:FINALISTS]
+        engines = [jk.engine("ar")] + [engine_for(r) for r in finalists]
+        tokens = [0] * len(engines)
+        secs = [0.0] * len(engines)
+        for _ in range(FINAL_ROUNDS):
+            for ids in prompts_ids:  # interleaved per prompt
+                for i, engine in enumerate(engines):
+                    m = engine.generate(ids, max_new_tokens).metrics
+                    tokens[i] += m.new_tokens
+                    secs[i] += m.total_s
+        rates = [t / s for t, s in zip(tokens, secs)]
+        speedups = [r / rates[0] for r in rates[1:]]
+        i = max(range(len(finalists)), key=speedups.__getitem__)
+        result["complete"] = True
+        save(dict(finalists[i], speedup=speedups[i]))
+    except KeyboardInterrupt:
+        bar.close()
+        result["interrupted"] = True
+    result["saved_to"] = path if os.path.exists(path) and "best" in result else None
     return result
+
+
+def _tree_key(row: dict) -> tuple:
+    return tuple(row.get(k) for k in ("depth", "top_k", "total_tokens", "parallel_decoding", "draft_vocab"))
+
+
+def _describe(row: dict) -> str:
+    par = {True: "+con", False: "", None: ""}[row.get("parallel_decoding")]
+    return f"d{row['depth']}k{row['top_k']}n{row['total_tokens']}{par} {row['tokens_per_s']:.1f}tok/s"
 
 
 def tuned_budget(draft: str | None, cache: str | None = None) -> dict | None:

@@ -29,6 +29,26 @@ class DraftOutput:
     router_probs: torch.Tensor | None  # [B, T, N]
 
 
+def _unrolled_attention(q: torch.Tensor, steps: list, groups: int) -> torch.Tensor:
+    """Attention of an unrolled draft step: row j sees the first step's keys of rows 0..j and one
+    key per later step, its own row's. q [B, H, T, D]; steps: [(k, v)] of [B, Hkv, T, D].
+    Written out (scores over the first step's keys plus one diagonal column per later step)
+    rather than one masked attention over all steps' keys, which would compute T×T scores per
+    step only to keep T of them."""
+    k1, v1 = (x.repeat_interleave(groups, 1) for x in steps[0])
+    T, D = q.shape[2], q.shape[3]
+    scale = D ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril_()
+    scores = (q @ k1.transpose(-1, -2)).mul_(scale).masked_fill_(~causal, float("-inf"))
+    later = [(k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)) for k, v in steps[1:]]
+    diag = torch.stack([(q * k).sum(-1) * scale for k, _ in later], -1)  # [B, H, T, S-1]
+    p = torch.cat((scores, diag), -1).softmax(-1)
+    o = p[..., :T] @ v1
+    for i, (_, v) in enumerate(later):
+        o = o + p[..., T + i:T + i + 1] * v
+    return o
+
+
 class DraftModel(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
@@ -116,6 +136,19 @@ class DraftModel(nn.Module):
         are written after its committed prefix and ``attn_mask`` [T, past + T] (default causal)
         says what each row sees; the caller commits or discards the entries.
         """
+        return self.heads(self.attend(features, token_ids, position_ids, cache, attn_mask))
+
+    def attend(self, features: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor,
+               cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
+               unrolled: list | None = None) -> torch.Tensor:
+        """The fusion and attention half of ``forward``: the residual stream r [B, T, d].
+
+        ``unrolled`` (training, no cache) drafts as inference does, several steps deep: it holds
+        the keys and values of the earlier unrolled steps over the same rows. Row j of step s is
+        the s-th draft step of a cycle rooted at position j: it sees the first step's keys of rows
+        0..j (the target's own features) and, of every later step, only its own row's key (its own
+        earlier draft steps). This call's keys are appended to the list.
+        """
         c = self.config
         B, T, d = features.shape
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -130,29 +163,42 @@ class DraftModel(nn.Module):
         q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
         k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
-        if cache is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+        gqa = H != Hkv
+        if unrolled:
+            unrolled.append((k, v))
+            o = _unrolled_attention(q, unrolled, H // Hkv)
+        elif cache is None:
+            if unrolled is not None:
+                unrolled.append((k, v))
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             past = cache.length
             k_all, v_all = cache.write(0, k, v)
             if attn_mask is None and T > 1:
                 attn_mask = torch.cat((torch.ones(T, past, dtype=torch.bool),
                                        torch.ones(T, T, dtype=torch.bool).tril_()), 1)
-            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask, enable_gqa=H != Hkv)
-        r = x + self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))  # residual after attention
+            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask, enable_gqa=gqa)
+        return x + self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))  # residual after attention
+
+    def heads(self, r: torch.Tensor) -> DraftOutput:
+        """The per-row half of ``forward``: experts (or the dense MLP), router, blend and
+        contrastive branch for residual rows r [..., d] (training passes only the rows it needs)."""
+        c = self.config
+        lead, d = r.shape[:-1], r.shape[-1]
         m = F.rms_norm(r, (d,), self.post_norm, c.rms_norm_eps)
-        gate, up = torch.einsum("btd,nfd->btnf", m, self.gate_up).chunk(2, dim=-1)
-        experts = torch.einsum("btni,ndi->btnd", F.silu(gate) * up, self.down)  # [B, T, N, d]
         if c.method == "eagle2":
-            out = r + experts[:, :, 0]
-            return DraftOutput(out.unsqueeze(2), torch.ones(B, T, 1), out, None, None)
-        router_probs = self.router(m).softmax(-1)  # [B, T, N]
-        top_w, top_i = torch.topk(router_probs, c.experts_per_token, dim=-1)  # [B, T, K]
+            gate, up = F.linear(m, self.gate_up[0]).chunk(2, dim=-1)
+            out = r + F.linear(F.silu(gate) * up, self.down[0])
+            return DraftOutput(out.unsqueeze(-2), r.new_ones(*lead, 1), out, None, None)
+        gate, up = torch.einsum("...d,nfd->...nf", m, self.gate_up).chunk(2, dim=-1)
+        experts = torch.einsum("...ni,ndi->...nd", F.silu(gate) * up, self.down)  # [..., N, d]
+        router_probs = self.router(m).softmax(-1)  # [..., N]
+        top_w, top_i = torch.topk(router_probs, c.experts_per_token, dim=-1)  # [..., K]
         top_w = top_w / top_w.sum(-1, keepdim=True)
-        chosen = experts.gather(2, top_i.unsqueeze(-1).expand(B, T, -1, d))  # [B, T, K, d]
-        blend = r + (top_w.unsqueeze(-1) * chosen).sum(2)
+        chosen = experts.gather(-2, top_i.unsqueeze(-1).expand(*lead, -1, d))  # [..., K, d]
+        blend = r + (top_w.unsqueeze(-1) * chosen).sum(-2)
         contrastive = None
         if c.parallel_decoding:
-            coef = self.con_router(m).softmax(-1).gather(2, top_i[..., :2])  # [B, T, 2]: A, B
-            contrastive = r + coef[..., :1] * chosen[:, :, 0] - coef[..., 1:] * chosen[:, :, 1]
-        return DraftOutput(r.unsqueeze(2) + chosen, top_w, blend, contrastive, router_probs)
+            coef = self.con_router(m).softmax(-1).gather(-1, top_i[..., :2])  # [..., 2]: A, B
+            contrastive = r + coef[..., :1] * chosen[..., 0, :] - coef[..., 1:] * chosen[..., 1, :]
+        return DraftOutput(r.unsqueeze(-2) + chosen, top_w, blend, contrastive, router_probs)

@@ -13,12 +13,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from ..draft import DraftConfig, DraftModel, load_draft, save_draft
 from ..errors import JakiroError
 from .dataset import FeatureDataset
-from .losses import draft_loss
+from .losses import JAKIRO_LOSSES, STEP_DECAY, draft_loss, heldout_metrics
 
 
 @dataclass
@@ -39,9 +38,15 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     noise: float = 0.2  # uniform input-feature noise in [-noise/2, noise/2]
+    unroll: int = 4  # draft steps trained per position (training-time test); 1 = single-step
+    step_decay: float = STEP_DECAY  # loss weight of step s: step_decay ** (s - 1)
+    jakiro_loss: str = "separate"  # separate | full | reference (see train/losses.py)
     eval_every: int = 200
     eval_records: int = 32
     eval_steps: int = 4
+    tau_every: int = 0  # measure greedy decoding tau on held-out prompts every N steps (0 = never)
+    tau_prompts: int = 6
+    tau_tokens: int = 48
     checkpoint_every: int = 100
     seed: int = 0
 
@@ -85,39 +90,22 @@ def make_batch(ds: FeatureDataset, indices: list[int], seq_len: int, device,
     return ids.to(device), feats.to(device), mask.to(device), noises.to(device)
 
 
-def _forward(model, ids, feats, noises):
-    """Pairs (f_t + noise, x_{t+1}) at positions t = 0..T-2."""
-    inp = feats[:, :-1] + noises[:, :-1]
-    T = inp.shape[1]
-    return model(inp, ids[:, 1:], torch.arange(T, device=ids.device))
+class DraftLoss(torch.nn.Module):
+    """The unrolled training loss as a module, so that DDP's hooks see the whole unroll."""
+
+    def __init__(self, model: DraftModel, cfg: TrainConfig):
+        super().__init__()
+        self.model, self.cfg = model, cfg
+
+    def forward(self, ids, feats, mask, noises):
+        cfg = self.cfg
+        return draft_loss(self.model, ids, feats, mask, cfg.unroll, noises, cfg.jakiro_loss, cfg.step_decay)
 
 
-@torch.no_grad()
-def step_accuracy(model: DraftModel, ds: FeatureDataset, indices: list[int], seq_len: int,
-                  steps: int, full_head: torch.Tensor, device) -> list[float]:
-    """Held-out top-1 accuracy per draft step. Step 1 uses the target's features; step k feeds
-    the draft's own predictions from step k-1 as the features of every position (the
-    training-time-test approximation of drafting k tokens ahead). A prediction counts when the
-    draft's top token (in target ids) equals the target's own next token."""
-    model.eval()
-    hits = torch.zeros(steps)
-    total = torch.zeros(steps)
-    for start in range(0, len(indices), 8):
-        ids, feats, mask, _ = make_batch(ds, indices[start:start + 8], seq_len, device)
-        T = ids.shape[1] - 1
-        target_next = F.linear(feats[:, 1:], full_head).argmax(-1)  # token after x_{t+1}: [B, T]
-        inp = feats[:, :-1]
-        for k in range(steps):
-            out = model(inp, ids[:, 1:], torch.arange(T, device=device))
-            pred_feat = out.features[:, :, 0] if model.config.candidate_mode == "decoupled" else out.blend
-            pred = model.to_target_ids(model.head_logits(pred_feat).argmax(-1))
-            valid = mask[:, 1:].clone()
-            valid[:, :k] = False  # positions whose rolled inputs do not exist
-            hits[k] += ((pred == target_next) & valid).sum().item()
-            total[k] += valid.sum().item()
-            inp = torch.cat((feats[:, :1], pred_feat[:, :-1]), 1)
-    model.train()
-    return (hits / total.clamp(min=1)).tolist()
+def heldout_batches(ds: FeatureDataset, indices: list[int], seq_len: int, device, size: int = 8):
+    for start in range(0, len(indices), size):
+        ids, feats, mask, _ = make_batch(ds, indices[start:start + size], seq_len, device)
+        yield ids, feats, mask
 
 
 class Trainer:
@@ -127,6 +115,10 @@ class Trainer:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         _init_distributed(self.device)
         self.rank, self.world = _rank_world()
+        if cfg.jakiro_loss not in JAKIRO_LOSSES:
+            raise JakiroError(f"unknown Jakiro loss {cfg.jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
+        if cfg.unroll < 1:
+            raise JakiroError(f"unroll must be >= 1 (got {cfg.unroll})")
         if cfg.batch_size % self.world:
             raise JakiroError(f"batch size {cfg.batch_size} must be divisible by the {self.world} processes")
         self.ds = FeatureDataset(cfg.data)
@@ -134,7 +126,8 @@ class Trainer:
             raise JakiroError(f"dataset {cfg.data} has {len(self.ds)} record(s); need at least 2")
         from ..models.hub import resolve_target
         from ..models.target import TargetModel
-        target = TargetModel.from_folder(resolve_target(target_path, cache_dir))
+        self.target_dir = resolve_target(target_path, cache_dir)
+        target = TargetModel.from_folder(self.target_dir)
         ident = self.ds.identity
         if (ident["hidden_size"], ident["vocab_size"]) != (target.config.hidden_size, target.config.vocab_size):
             raise JakiroError(f"dataset {cfg.data} was built for {ident['target_name']} "
@@ -160,22 +153,25 @@ class Trainer:
             self.model.set_draft_vocab(self.ds.frequent_tokens(cfg.draft_vocab_size))
         self.model.to(self.device)
         self.model.attach_target(self.embed, self.full_head)
+        self.target = target if cfg.tau_every else None  # kept only to measure decoding
         del target
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay)
-        self.step = 0
+        self.step = self.tokens = 0
         self.log: list[dict] = []
+        self._tau_engine = None
         if resume and os.path.exists(os.path.join(self.ckpt_dir, "trainer.pt")):
             self._load_checkpoint()
+        self.loss = DraftLoss(self.model, cfg)
         self.ddp = None
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
-            self.ddp = DistributedDataParallel(self.model)
+            self.ddp = DistributedDataParallel(self.loss)
 
     # ------------------------------------------------------------------ run folder
     def _run_identity(self) -> dict:
         ident = asdict(self.cfg)
-        for k in ("out", "steps", "eval_every", "checkpoint_every"):
+        for k in ("out", "steps", "eval_every", "checkpoint_every", "tau_every", "tau_prompts", "tau_tokens"):
             ident.pop(k)
         ident["target_name"] = self.ds.identity["target_name"]
         return ident
@@ -225,6 +221,7 @@ class Trainer:
         state = torch.load(os.path.join(self.ckpt_dir, "trainer.pt"), weights_only=False)
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.log = state["step"], state["log"]
+        self.tokens = state.get("tokens", 0)
 
     def _save_checkpoint(self) -> None:
         if self.rank != 0:
@@ -232,7 +229,8 @@ class Trainer:
         tmp = self.ckpt_dir + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_draft(self.model, tmp, {"training": {"step": self.step, "target_name": self.target_name}})
-        torch.save({"optimizer": self.opt.state_dict(), "step": self.step, "log": self.log},
+        torch.save({"optimizer": self.opt.state_dict(), "step": self.step, "tokens": self.tokens,
+                    "log": self.log},
                    os.path.join(tmp, "trainer.pt"))
         shutil.rmtree(self.ckpt_dir, ignore_errors=True)
         os.replace(tmp, self.ckpt_dir)
@@ -256,11 +254,10 @@ class Trainer:
         count = mask[:, 1:].sum().to(torch.float64)
         if self.world > 1:
             dist.all_reduce(count)
-        model = self.ddp or self.model
+        model = self.ddp or self.loss
         for group in self.opt.param_groups:
             group["lr"] = lr_at(self.step, cfg)
-        out = _forward(model, ids, feats, noises)
-        total, parts = draft_loss(out, feats, self.model.head_weight, mask, cfg.method)
+        total, parts = model(ids, feats, mask, noises)
         # DDP averages gradients over processes: scale so the result is the global token mean
         loss = total * self.world / count.clamp(min=1).float()
         self.opt.zero_grad(set_to_none=True)
@@ -271,12 +268,33 @@ class Trainer:
         value = torch.tensor([float(total.detach())], dtype=torch.float64)
         if self.world > 1:
             dist.all_reduce(value)
-        return {"step": self.step, "loss": float(value) / max(1.0, float(count)),
+        self.tokens += int(count)
+        return {"step": self.step, "tokens": self.tokens, "loss": float(value) / max(1.0, float(count)),
                 "lr": lr_at(self.step - 1, cfg), "grad_norm": float(grad_norm)}
 
-    def evaluate(self) -> list[float]:
-        return step_accuracy(self.model, self.ds, self.eval_idx, self.cfg.seq_len, self.cfg.eval_steps,
-                             self.full_head, self.device)
+    def evaluate(self) -> dict:
+        """Held-out metrics as drafting sees them (``losses.heldout_metrics``)."""
+        return heldout_metrics(self.model, heldout_batches(self.ds, self.eval_idx, self.cfg.seq_len, self.device),
+                               self.cfg.eval_steps, self.full_head)
+
+    def decoding_tau(self) -> float:
+        """τ of real greedy decoding with the draft as it stands (default tree, no cost-aware
+        sizing) on the first user turns of held-out records: committed tokens per target forward."""
+        from ..api import load_tokenizer
+        from ..decoding.engine import Engine
+        from ..decoding.proposers import DraftProposer, TreeBudget
+        if self._tau_engine is None:
+            self._tau_engine = Engine(self.target, load_tokenizer(self.target_dir),
+                                      DraftProposer(self.model, TreeBudget()))
+        committed = forwards = 0
+        self.model.eval()
+        for i in self.eval_idx[: self.cfg.tau_prompts]:
+            ids, mask, _ = self.ds.record(i)
+            start = int(torch.nonzero(mask)[0]) if mask.any() else len(ids)
+            m = self._tau_engine.generate(ids[:start].tolist(), self.cfg.tau_tokens).metrics
+            committed, forwards = committed + m.committed, forwards + m.target_forwards
+        self.model.train()
+        return committed / max(1, forwards)
 
     def run(self, stop_after: int | None = None) -> dict:
         """Train until cfg.steps (or ``stop_after`` more steps, for tests of resuming)."""
@@ -289,7 +307,13 @@ class Trainer:
         while self.step < end:
             row = self.train_step(self.batch_indices(self.step))
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
-                row["eval_acc"] = self.evaluate()
+                row["eval"] = self.evaluate()
+                row["eval_acc"] = row["eval"]["top1"]
+                bar.write(f"step {self.step}: held-out {describe_eval(row['eval'])}")
+            if cfg.tau_every and self.rank == 0 and (self.step % cfg.tau_every == 0 or self.step == cfg.steps):
+                row["tau"] = self.decoding_tau()
+                bar.write(f"step {self.step}: greedy decoding tau {row['tau']:.3f} on "
+                          f"{cfg.tau_prompts} held-out prompts")
             self.log.append(row)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.3f}")
@@ -303,31 +327,55 @@ class Trainer:
 
     def finish(self) -> None:
         cfg = self.cfg
-        acc = next((r["eval_acc"] for r in reversed(self.log) if "eval_acc" in r), None) or self.evaluate()
+        ev = next((r["eval"] for r in reversed(self.log) if "eval" in r), None) or self.evaluate()
         save_draft(self.model, cfg.out, {"training": {
-            "steps": self.step, "target_name": self.target_name, "data": cfg.data,
+            "steps": self.step, "tokens": self.tokens, "target_name": self.target_name, "data": cfg.data,
             "records": len(self.train_idx), "heldout_records": len(self.eval_idx),
-            "heldout_top1_per_step": acc}})
+            "unroll": cfg.unroll, "jakiro_loss": cfg.jakiro_loss if cfg.method == "jakiro" else None,
+            "heldout_top1_per_step": ev["top1"], "heldout": ev}})
         with open(os.path.join(cfg.out, "train_log.json"), "w") as f:
-            json.dump({"config": asdict(cfg), "heldout_top1_per_step": acc, "log": self.log}, f)
+            json.dump({"config": asdict(cfg), "heldout_top1_per_step": ev["top1"], "heldout": ev,
+                       "log": self.log}, f)
         plot_log(self.log, os.path.join(cfg.out, "train_plot.png"), cfg.method)
 
 
+def describe_eval(ev: dict) -> str:
+    """One line: top-1 per draft step, and for Jakiro the contrastive branch and expert agreement."""
+    line = "top-1 per step " + " ".join(f"{x:.3f}" for x in ev["top1"])
+    if "contrastive_top1" in ev:
+        line += ("; contrastive (two ahead) " + " ".join(f"{x:.3f}" for x in ev["contrastive_top1"])
+                 + f"; experts agree on top-1 {ev['expert_same_top1'][0]:.2f}, cos {ev['expert_cos'][0]:.2f}")
+    return line
+
+
 def plot_log(log: list[dict], path: str, title: str) -> None:
+    """Training loss per step, and held-out top-1 against training tokens: one line per draft
+    step (depth), dashed for the contrastive branch."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     a.plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.8)
-    a.set_xlabel("step")
-    a.set_ylabel("training loss")
+    a.set_xlabel("optimizer step")
+    a.set_ylabel("training loss (per loss token)")
     a.set_yscale("log")
     evals = [r for r in log if "eval_acc" in r]
+    x = [r.get("tokens", r["step"]) for r in evals]
     for k in range(len(evals[0]["eval_acc"]) if evals else 0):
-        b.plot([r["step"] for r in evals], [r["eval_acc"][k] for r in evals], marker="o", label=f"step {k + 1}")
-    b.set_xlabel("step")
+        b.plot(x, [r["eval_acc"][k] for r in evals], marker="o", ms=3, label=f"draft step {k + 1}")
+    for k in range(len(evals[0].get("eval", {}).get("contrastive_top1", [])) if evals else 0):
+        b.plot(x, [r["eval"]["contrastive_top1"][k] for r in evals], ls="--", marker=".",
+               label=f"contrastive after step {k + 1}")
+    taus = [r for r in log if "tau" in r]
+    if taus:
+        t = b.twinx()
+        t.plot([r.get("tokens", r["step"]) for r in taus], [r["tau"] for r in taus], color="black", marker="s",
+               ms=4, label="greedy decoding τ (right axis)")
+        t.set_ylabel("τ (tokens per target forward)")
+        t.legend(fontsize=7, loc="lower right")
+    b.set_xlabel("training tokens (loss positions)" if evals and "tokens" in evals[0] else "optimizer step")
     b.set_ylabel("held-out top-1 accuracy")
-    b.legend()
+    b.legend(fontsize=7)
     fig.suptitle(f"{title} draft training")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
