@@ -58,13 +58,13 @@ class Jakiro:
         name, lookup = method, method.endswith("+pld")
         method = method.removesuffix("+pld")
         proposer: Proposer
-        tuned = None
+        tuned = record = None
         if method == "ar":
             proposer = Proposer()
         elif method == "pld":
             proposer = PromptLookupProposer(num_tokens=pld_tokens)
         else:
-            from .bench.tune import tuned_budget
+            from .draft.tuning import load_tuning
             from .draft import load_draft
             draft = draft or shipped_draft(method)
             if draft is None:
@@ -74,7 +74,8 @@ class Jakiro:
                 raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
             explicit = budget is not None or static is not None
             if budget is None and static is None:
-                tuned = tuned_budget(draft, cache_dir)
+                record = load_tuning(draft, cache_dir)
+                tuned = record["best"] if record else None
                 budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
                 if tuned and parallel_decoding is None:
                     parallel_decoding = tuned.get("parallel_decoding")
@@ -89,7 +90,7 @@ class Jakiro:
                 proposer = AdaptiveProposer(proposer, self.target, adaptive=adaptive and not explicit,
                                             lookup=PromptLookupProposer(num_tokens=pld_tokens) if lookup else None)
         engine = Engine(self.target, self.tokenizer, proposer)
-        engine.tuned = tuned is not None
+        engine.tuned = record["path"] if tuned else None
         self.engines[name] = engine
         return engine
 

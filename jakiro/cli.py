@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="jakiro: separate = first expert as a draft, second expert on the tokens the "
                         "first leaves, blend and contrastive; full = every expert toward the same "
                         "target; reference = blend and contrastive only (default: separate)")
+    t.add_argument("--init-from", metavar="DRAFT",
+                   help="start from this draft's weights (same method and shape), e.g. to continue a "
+                        "single-step run with --unroll 4")
     t.add_argument("--eval-every", type=int, default=200, help="held-out accuracy every N steps (default: 200)")
     t.add_argument("--tau-every", type=int, default=0,
                    help="measure greedy decoding tau on held-out prompts every N steps (default: 0 = never)")
@@ -214,7 +217,7 @@ def cmd_generate(args) -> int:
         out["tree"] = {"depth": b.depth, "top_k": b.top_k, "total_tokens": b.total_tokens,
                        "candidate_mode": drafter.mode, "parallel_decoding": drafter.parallel,
                        "draft_vocab": drafter.head_vocab or drafter.draft.config.draft_vocab_size,
-                       "tuned": getattr(engine, "tuned", False), "adaptive": getattr(engine.proposer, "adaptive", False),
+                       "tuned": engine.tuned, "adaptive": getattr(engine.proposer, "adaptive", False),
                        "static": drafter.static.as_list() if drafter.static else None}
     if args.compare and result.method != "ar":
         base = jk.engine("ar").generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
@@ -320,7 +323,8 @@ def cmd_train(args) -> int:
                       warmup=args.warmup, eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, seed=args.seed, unroll=args.unroll,
                       step_decay=args.step_decay, jakiro_loss=args.jakiro_loss, tau_every=args.tau_every,
-                      tau_prompts=args.tau_prompts)
+                      tau_prompts=args.tau_prompts,
+                      init_from=os.path.abspath(args.init_from) if args.init_from else None)
     trainer = Trainer(cfg, args.target, args.cache_dir, resume=args.resume, device=args.device)
     result = trainer.run()
     if trainer.rank == 0:

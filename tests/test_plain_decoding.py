@@ -44,7 +44,7 @@ def test_seeded_sampling_is_reproducible(smol):
 
 def test_stop_string_max_tokens_and_streaming(smol):
     full = smol.generate("Count from one to twenty in words, separated by commas.", max_new_tokens=40)
-    assert full.finish_reason in ("length", "stop")
+    assert full.finish_reason == ("length" if len(full.token_ids) == 40 else "stop")
     assert len(full.token_ids) <= 40
     words = full.text.split()
     assert len(words) > 4

@@ -341,3 +341,16 @@ def test_decoding_tau_during_training_is_real_greedy_decoding(tmp_path, tiny_set
         committed, forwards = committed + m.committed, forwards + m.target_forwards
     assert trainer.log[-1]["tau"] == pytest.approx(committed / forwards)
     assert "tau" in json.load(open(tmp_path / "run" / "train_log.json"))["log"][-1]
+
+
+def test_init_from_another_draft_starts_from_its_weights(tmp_path, tiny_setup):
+    target, data = tiny_setup
+    first = Trainer(config(tmp_path / "first", data, unroll=1), target, progress=False)
+    first.run()
+    second = Trainer(config(tmp_path / "second", data, unroll=2, init_from=str(tmp_path / "first")), target,
+                     progress=False)
+    for k, v in weights(first).items():
+        assert torch.equal(weights(second)[k], v), k
+    with pytest.raises(JakiroError, match=r"different draft \(differs in: .*method"):
+        Trainer(config(tmp_path / "third", data, method="eagle2", init_from=str(tmp_path / "first")), target,
+                progress=False)

@@ -4,15 +4,13 @@ that later runs use it by default."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 
 import torch
 
-from ..errors import JakiroError
-from ..models.hub import cache_dir
+from ..draft.tuning import tuning_path
 
 CHAINS = [(d, 1, d) for d in (2, 3, 4, 5)]
 TREES = [(d, k, n) for d in (3, 4, 5) for k in (2, 4) for n in (6, 10, 16)]
@@ -25,23 +23,6 @@ CALIBRATION = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     "Give three tips for writing clean Python code, with an example for each.",
 ]
-
-
-def tuning_path(draft: str, cache: str | None = None) -> str:
-    """One saved choice per draft checkpoint (its path and weights' modification time)."""
-    draft = os.path.abspath(draft)
-    weights = os.path.join(draft, "model.safetensors")
-    stamp = f"{draft}:{os.path.getmtime(weights) if os.path.exists(weights) else 0}"
-    key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
-    return os.path.join(cache_dir(cache), "tuning", f"{key}.json")
-
-
-def load_tuning(draft: str, cache: str | None = None) -> dict | None:
-    path = tuning_path(draft, cache)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _measure(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, float]:
@@ -156,14 +137,3 @@ def _tree_key(row: dict) -> tuple:
 def _describe(row: dict) -> str:
     par = {True: "+con", False: "", None: ""}[row.get("parallel_decoding")]
     return f"d{row['depth']}k{row['top_k']}n{row['total_tokens']}{par} {row['tokens_per_s']:.1f}tok/s"
-
-
-def tuned_budget(draft: str | None, cache: str | None = None) -> dict | None:
-    """The saved choice for this draft and thread count, if ``jakiro tune`` was run."""
-    if draft is None or not os.path.isdir(draft):
-        return None
-    try:
-        tuning = load_tuning(draft, cache)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise JakiroError(f"unreadable tuning file for {draft}: {exc}") from None
-    return tuning["best"] if tuning else None

@@ -115,6 +115,7 @@ class Engine:
         self.target, self.tokenizer = target, tokenizer
         self.proposer = proposer or Proposer()
         self.eos_ids = _eos_ids(target, tokenizer)
+        self.tuned: str | None = None  # the `jakiro tune` record whose tree the proposer drafts
 
     @property
     def method(self) -> str:

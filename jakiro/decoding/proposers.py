@@ -32,9 +32,6 @@ class Proposer:
     def feedback(self, tree: Tree, verdict) -> None:
         """What verification made of ``tree`` (a ``verify.Verdict``: accepted nodes, bonus token)."""
 
-    def stats(self) -> dict:
-        return {}
-
 
 class PromptLookupProposer(Proposer):
     """Draft-free baseline: find the latest earlier occurrence of the context's last n-gram
@@ -126,9 +123,6 @@ class DraftProposer(Proposer):
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self._pending.append((features, next_tokens))
-
-    def stats(self) -> dict:
-        return {"draft_forwards": self.draft_forwards}
 
     # ------------------------------------------------------------------ candidates
     def _children(self, out, rows: torch.Tensor, k: int):

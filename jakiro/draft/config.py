@@ -71,10 +71,6 @@ class DraftConfig:
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    @property
-    def head_vocab_size(self) -> int:
-        return self.draft_vocab_size or self.vocab_size
-
     def to_json_dict(self) -> dict:
         """config.json: Llama-style keys (readable by transformers) plus a ``jakiro`` block."""
         d = asdict(self)

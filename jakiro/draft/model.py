@@ -26,7 +26,6 @@ class DraftOutput:
     weights: torch.Tensor  # [B, T, K] renormalised router weights of those experts
     blend: torch.Tensor  # [B, T, d] weighted sum (the dense output for eagle2)
     contrastive: torch.Tensor | None  # [B, T, d] prediction of the feature two positions ahead
-    router_probs: torch.Tensor | None  # [B, T, N]
 
 
 def _unrolled_attention(q: torch.Tensor, steps: list, groups: int) -> torch.Tensor:
@@ -189,7 +188,7 @@ class DraftModel(nn.Module):
         if c.method == "eagle2":
             gate, up = F.linear(m, self.gate_up[0]).chunk(2, dim=-1)
             out = r + F.linear(F.silu(gate) * up, self.down[0])
-            return DraftOutput(out.unsqueeze(-2), r.new_ones(*lead, 1), out, None, None)
+            return DraftOutput(out.unsqueeze(-2), r.new_ones(*lead, 1), out, None)
         gate, up = torch.einsum("...d,nfd->...nf", m, self.gate_up).chunk(2, dim=-1)
         experts = torch.einsum("...ni,ndi->...nd", F.silu(gate) * up, self.down)  # [..., N, d]
         router_probs = self.router(m).softmax(-1)  # [..., N]
@@ -201,4 +200,4 @@ class DraftModel(nn.Module):
         if c.parallel_decoding:
             coef = self.con_router(m).softmax(-1).gather(-1, top_i[..., :2])  # [..., 2]: A, B
             contrastive = r + coef[..., :1] * chosen[..., 0, :] - coef[..., 1:] * chosen[..., 1, :]
-        return DraftOutput(r.unsqueeze(-2) + chosen, top_w, blend, contrastive, router_probs)
+        return DraftOutput(r.unsqueeze(-2) + chosen, top_w, blend, contrastive)

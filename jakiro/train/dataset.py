@@ -280,7 +280,6 @@ class FeatureDataset:
             raise JakiroError(f"{folder} is not a jakiro dataset (no {STATE_FILE}); build one with `jakiro data`")
         if not state["shards"]:
             raise JakiroError(f"dataset {folder} is empty")
-        self.state = state
         self.identity = state["identity"]
         ids, masks, feats, offsets = [], [], [], [0]
         for name in state["shards"]:

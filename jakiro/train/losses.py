@@ -1,4 +1,4 @@
-"""Draft training losses (DESIGN §7), trained the way the draft is used: unrolled over several
+"""Draft training losses, trained the way the draft is used: unrolled over several
 draft steps (training-time test).
 
 Step 1 of row j reads the target's feature f_j and token x_{j+1} and predicts f_{j+1}; step s

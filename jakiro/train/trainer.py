@@ -41,6 +41,7 @@ class TrainConfig:
     unroll: int = 4  # draft steps trained per position (training-time test); 1 = single-step
     step_decay: float = STEP_DECAY  # loss weight of step s: step_decay ** (s - 1)
     jakiro_loss: str = "separate"  # separate | full | reference (see train/losses.py)
+    init_from: str | None = None  # start from this draft's weights instead of a random init
     eval_every: int = 200
     eval_records: int = 32
     eval_steps: int = 4
@@ -151,6 +152,8 @@ class Trainer:
         self.model = DraftModel(self.draft_config)
         if cfg.draft_vocab_size:
             self.model.set_draft_vocab(self.ds.frequent_tokens(cfg.draft_vocab_size))
+        if cfg.init_from:
+            self._init_from(cfg.init_from, target)
         self.model.to(self.device)
         self.model.attach_target(self.embed, self.full_head)
         self.target = target if cfg.tau_every else None  # kept only to measure decoding
@@ -210,6 +213,16 @@ class Trainer:
         os.makedirs(self.cfg.out, exist_ok=True)
         with open(run_file, "w") as f:
             json.dump(self._run_identity(), f, indent=2)
+
+    def _init_from(self, path: str, target) -> None:
+        """Start from another draft's weights (e.g. single-step training continued unrolled)."""
+        init = load_draft(path, target)
+        mine, theirs = self.draft_config.to_json_dict(), init.config.to_json_dict()
+        diff = sorted(k for k in set(mine["jakiro"]) | set(theirs["jakiro"])
+                      if mine["jakiro"].get(k) != theirs["jakiro"].get(k))
+        if diff:
+            raise JakiroError(f"--init-from {path} is a different draft (differs in: {', '.join(diff)})")
+        self.model.load_state_dict(init.state_dict())
 
     def _load_checkpoint(self) -> None:
         model = load_draft(self.ckpt_dir)
