@@ -354,3 +354,16 @@ def test_init_from_another_draft_starts_from_its_weights(tmp_path, tiny_setup):
     with pytest.raises(JakiroError, match=r"different draft \(differs in: .*method"):
         Trainer(config(tmp_path / "third", data, method="eagle2", init_from=str(tmp_path / "first")), target,
                 progress=False)
+
+
+def test_warmup_beyond_steps_and_resume_beyond_steps_are_refused(tmp_path, tiny_setup):
+    target, data = tiny_setup
+    with pytest.raises(JakiroError, match="--warmup 6 must be below --steps 6"):
+        Trainer(config(tmp_path / "w", data, warmup=6), target, progress=False)
+    Trainer(config(tmp_path / "run", data, steps=3, warmup=1, unroll=1), target, progress=False).run()
+    with pytest.raises(JakiroError, match="already at step 3, beyond --steps 2"):
+        Trainer(config(tmp_path / "run", data, steps=2, warmup=1, unroll=1), target, resume=True, progress=False)
+    ident = json.load(open(tmp_path / "run" / "run.json"))
+    assert ident["unroll"] == 1 and ident["jakiro_loss"] == "separate"
+    Trainer(config(tmp_path / "dense", data, steps=3, method="eagle2"), target, progress=False)
+    assert "num_experts" not in json.load(open(tmp_path / "dense" / "run.json"))

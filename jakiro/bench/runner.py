@@ -68,11 +68,12 @@ class _HFRunner:
                       eos_token_id=sorted(eos_ids) or None, pad_token_id=sorted(eos_ids)[0] if eos_ids else 0)
         if temperature > 0:
             kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
-            torch.manual_seed(seed)
         if prompt_lookup:
             kwargs["prompt_lookup_num_tokens"] = 10
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        # generate samples from torch's global generator: seed a private copy of it
+        with torch.random.fork_rng(devices=[]), torch.inference_mode():
+            torch.manual_seed(seed)
             out = self.model.generate(torch.tensor([ids]), **kwargs)
         return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
@@ -272,13 +273,12 @@ def markdown_table(summary: dict) -> str:
 
 
 def plot_summary(summary: dict, out: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
     methods = list(summary["methods"])
     cats = list(summary["methods"]["ar"])
     for key, fname in (("speedup", "speedup.png"), ("tau", "tau.png")):
-        fig, ax = plt.subplots(figsize=(max(6, len(cats) * 1.2), 4))
+        fig = Figure(figsize=(max(6, len(cats) * 1.2), 4))
+        ax = fig.subplots()
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
             vals = [summary["methods"][m][c].get(key) or 0 for c in cats]
@@ -288,8 +288,8 @@ def plot_summary(summary: dict, out: str) -> None:
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(out, fname), dpi=100)
-        plt.close(fig)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     plotted = False
     for m in methods:
         rates = summary["methods"][m]["all"].get("accept_rate_per_depth")
@@ -304,4 +304,3 @@ def plot_summary(summary: dict, out: str) -> None:
         ax.text(0.5, 0.5, "no speculative method in this run", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "acceptance.png"), dpi=100)
-    plt.close(fig)

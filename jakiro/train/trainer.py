@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -120,6 +121,9 @@ class Trainer:
             raise JakiroError(f"unknown Jakiro loss {cfg.jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
         if cfg.unroll < 1:
             raise JakiroError(f"unroll must be >= 1 (got {cfg.unroll})")
+        if cfg.warmup >= cfg.steps:
+            raise JakiroError(f"--warmup {cfg.warmup} must be below --steps {cfg.steps} "
+                              "(the learning rate would never reach its peak)")
         if cfg.batch_size % self.world:
             raise JakiroError(f"batch size {cfg.batch_size} must be divisible by the {self.world} processes")
         self.ds = FeatureDataset(cfg.data)
@@ -148,8 +152,9 @@ class Trainer:
         if cfg.method == "eagle2":
             overrides.update(num_experts=1, experts_per_token=1, parallel_decoding=False)
         self.draft_config = DraftConfig.for_target(target.config, target.hf_config, cfg.method, **overrides)
-        torch.manual_seed(cfg.seed)
-        self.model = DraftModel(self.draft_config)
+        with torch.random.fork_rng(devices=[]):  # a seeded init without touching the caller's generator
+            torch.manual_seed(cfg.seed)
+            self.model = DraftModel(self.draft_config)
         if cfg.draft_vocab_size:
             self.model.set_draft_vocab(self.ds.frequent_tokens(cfg.draft_vocab_size))
         if cfg.init_from:
@@ -165,6 +170,11 @@ class Trainer:
         self._tau_engine = None
         if resume and os.path.exists(os.path.join(self.ckpt_dir, "trainer.pt")):
             self._load_checkpoint()
+            if self.step > cfg.steps:
+                raise JakiroError(f"{cfg.out} is already at step {self.step}, beyond --steps {cfg.steps}")
+            if progress and self.rank == 0:
+                print(f"[jakiro] resuming {cfg.out} at step {self.step} of {cfg.steps}"
+                      + (" (already complete)" if self.step == cfg.steps else ""), file=sys.stderr, flush=True)
         self.loss = DraftLoss(self.model, cfg)
         self.ddp = None
         if self.world > 1:
@@ -177,6 +187,9 @@ class Trainer:
         for k in ("out", "steps", "eval_every", "checkpoint_every", "tau_every", "tau_prompts", "tau_tokens"):
             ident.pop(k)
         ident["target_name"] = self.ds.identity["target_name"]
+        if self.cfg.method == "eagle2":  # one dense MLP: the Mixture-of-Experts settings do not apply
+            for k in ("num_experts", "experts_per_token", "candidate_mode", "parallel_decoding", "jakiro_loss"):
+                ident.pop(k)
         return ident
 
     def _prepare_out(self, resume: bool) -> None:
@@ -364,10 +377,9 @@ def describe_eval(ev: dict) -> str:
 def plot_log(log: list[dict], path: str, title: str) -> None:
     """Training loss per step, and held-out top-1 against training tokens: one line per draft
     step (depth), dashed for the contrastive branch."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+    fig = Figure(figsize=(11, 4))
+    a, b = fig.subplots(1, 2)
     a.plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.8)
     a.set_xlabel("optimizer step")
     a.set_ylabel("training loss (per loss token)")
@@ -392,4 +404,3 @@ def plot_log(log: list[dict], path: str, title: str) -> None:
     fig.suptitle(f"{title} draft training")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
