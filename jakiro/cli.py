@@ -9,11 +9,42 @@ import sys
 
 from .errors import JakiroError
 from .methods import METHODS
+from .train.config import DataConfig, TrainConfig, cli_fields
+
+
+class _Help(argparse.HelpFormatter):
+    """Shows an option's default after its help, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS or default == []
+                or "default" in text or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, no usage dump
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    """Options from a settings dataclass: its fields' defaults, help and choices."""
+    for name, flag, default, meta in cli_fields(cls, skip):
+        kind = type(default) if default is not None else (int if name == "draft_vocab_size" else str)
+        meta.setdefault("metavar", None if "choices" in meta else flag[2:].upper().replace("-", "_"))
+        p.add_argument(flag, dest=name, type=kind, default=default, **meta)
+
+
+def _config_from(args, cls, **extra):
+    values = {name: getattr(args, name) for name, *_ in cli_fields(cls) if hasattr(args, name)}
+    values.update(extra)
+    return cls(**values)
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -47,17 +78,19 @@ def _add_session_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
     p.add_argument("--top-k", dest="sample_top_k", type=int, default=0,
                    help="top-k sampling filter (0 = off)")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="sampling seed (reproducible output for the same seed)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     parser = _Parser(prog="jakiro", description="Lossless speculative decoding with Jakiro drafts.")
+    parser.add_argument("--version", action="version", version=f"jakiro {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
@@ -106,54 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="build a draft training set (tokens, loss mask, target features)")
     _add_target_args(d)
     d.add_argument("--out", required=True, help="dataset folder (rerun the same command to resume)")
-    d.add_argument("--source", default="sharegpt", help="'sharegpt' (the installed package) or a JSONL "
-                   "file of {'conversations': [{from, value}]} or {'messages': [{role, content}]}")
-    d.add_argument("--max-records", type=int, default=1000)
-    d.add_argument("--max-len", type=int, default=512, help="tokens per conversation (truncated)")
-    d.add_argument("--shard-size", type=int, default=64)
-    d.add_argument("--regenerate", choices=("none", "greedy", "sample"), default="none",
-                   help="replace assistant turns with the target's own answers")
-    d.add_argument("--regen-max-tokens", type=int, default=256, help="longest regenerated answer, in tokens")
-    d.add_argument("--regen-batch", type=int, default=32, help="conversations regenerated together")
-    d.add_argument("--sample-share", type=float, default=0.0,
-                   help="with --regenerate greedy: share of conversations answered by sampling (T 0.8, top-p 0.95)")
+    _add_config_args(d, DataConfig, skip=("filter_evaluation",))
     d.add_argument("--no-eval-filter", action="store_true",
                    help="keep conversations that overlap MT-bench, Spec-Bench or HumanEval prompts")
-    d.add_argument("--seed", type=int, default=0)
 
     t = sub.add_parser("train", help="train an eagle2 or jakiro draft on a dataset from `jakiro data`")
     _add_target_args(t)
-    t.add_argument("--data", required=True)
-    t.add_argument("--out", required=True)
-    t.add_argument("--method", choices=("eagle2", "jakiro"), default="jakiro")
-    t.add_argument("--experts", type=int, default=2, help="jakiro: number of experts N")
-    t.add_argument("--active", type=int, default=2, help="jakiro: activated experts K (>= 2)")
-    t.add_argument("--candidates", choices=("decoupled", "blended"), default="decoupled")
+    t.add_argument("--data", required=True, help="dataset folder from `jakiro data`")
+    t.add_argument("--out", required=True, help="run folder: the draft, its log, plot and checkpoint")
+    _add_config_args(t, TrainConfig, skip=("parallel_decoding",))
     t.add_argument("--no-parallel", action="store_true", help="jakiro: no contrastive branch")
-    t.add_argument("--draft-vocab", type=int, default=8192, help="draft head vocabulary (0 = full)")
-    t.add_argument("--steps", type=int, default=1000)
-    t.add_argument("--batch-size", type=int, default=8, help="records per step (global)")
-    t.add_argument("--seq-len", type=int, default=512)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--warmup", type=int, default=50)
-    t.add_argument("--unroll", type=int, default=4,
-                   help="draft steps trained per position on the draft's own predictions "
-                        "(training-time test); 1 = single-step training (default: 4)")
-    t.add_argument("--step-decay", type=float, default=0.8,
-                   help="loss weight of unrolled step s is step_decay**(s-1) (default: 0.8)")
-    t.add_argument("--jakiro-loss", choices=("separate", "full", "reference"), default="separate",
-                   help="jakiro: separate = first expert as a draft, second expert on the tokens the "
-                        "first leaves, blend and contrastive; full = every expert toward the same "
-                        "target; reference = blend and contrastive only (default: separate)")
-    t.add_argument("--init-from", metavar="DRAFT",
-                   help="start from this draft's weights (same method and shape), e.g. to continue a "
-                        "single-step run with --unroll 4")
-    t.add_argument("--eval-every", type=int, default=200, help="held-out accuracy every N steps (default: 200)")
-    t.add_argument("--tau-every", type=int, default=0,
-                   help="measure greedy decoding tau on held-out prompts every N steps (default: 0 = never)")
-    t.add_argument("--tau-prompts", type=int, default=6, help="held-out prompts for --tau-every (default: 6)")
-    t.add_argument("--checkpoint-every", type=int, default=100)
-    t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
 
@@ -295,15 +290,13 @@ def cmd_bench_cost(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from .train.dataset import DataConfig, build_dataset
+    from .train.dataset import build_dataset
     for name in ("max_records", "max_len", "shard_size", "regen_max_tokens", "regen_batch"):
         if getattr(args, name) < 1:
             raise JakiroError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.sample_share <= 1:
         raise JakiroError("--sample-share must be in [0, 1]")
-    cfg = DataConfig(args.target, args.source, args.max_records, args.max_len, args.shard_size,
-                     args.regenerate, args.regen_max_tokens, args.seed, args.regen_batch,
-                     args.sample_share, not args.no_eval_filter)
+    cfg = _config_from(args, DataConfig, target=args.target, filter_evaluation=not args.no_eval_filter)
     state = build_dataset(args.out, cfg, args.cache_dir)
     keys = ("records", "tokens", "loss_tokens", "records_done", "removed_evaluation", "removed_duplicates",
             "feature_tokens_per_s", "regeneration_runs")
@@ -312,19 +305,13 @@ def cmd_data(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .train.trainer import TrainConfig, Trainer
+    from .train.trainer import Trainer
     for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "unroll"):
         if getattr(args, name) < 1:
             raise JakiroError(f"--{name.replace('_', '-')} must be >= 1")
-    cfg = TrainConfig(data=args.data, out=args.out, method=args.method, num_experts=args.experts,
-                      experts_per_token=args.active, candidate_mode=args.candidates,
-                      parallel_decoding=not args.no_parallel, draft_vocab_size=args.draft_vocab or None,
-                      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      warmup=args.warmup, eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every, seed=args.seed, unroll=args.unroll,
-                      step_decay=args.step_decay, jakiro_loss=args.jakiro_loss, tau_every=args.tau_every,
-                      tau_prompts=args.tau_prompts,
-                      init_from=os.path.abspath(args.init_from) if args.init_from else None)
+    cfg = _config_from(args, TrainConfig, data=args.data, out=args.out, parallel_decoding=not args.no_parallel,
+                       draft_vocab_size=args.draft_vocab_size or None,
+                       init_from=os.path.abspath(args.init_from) if args.init_from else None)
     trainer = Trainer(cfg, args.target, args.cache_dir, resume=args.resume, device=args.device)
     result = trainer.run()
     if trainer.rank == 0:

@@ -367,3 +367,20 @@ def test_warmup_beyond_steps_and_resume_beyond_steps_are_refused(tmp_path, tiny_
     assert ident["unroll"] == 1 and ident["jakiro_loss"] == "separate"
     Trainer(config(tmp_path / "dense", data, steps=3, method="eagle2"), target, progress=False)
     assert "num_experts" not in json.load(open(tmp_path / "dense" / "run.json"))
+
+
+def test_runs_written_before_multi_step_training_resume_as_single_step(tmp_path, tiny_setup):
+    target, data = tiny_setup
+    Trainer(config(tmp_path / "run", data, steps=3, warmup=1, method="eagle2", unroll=1), target,
+            progress=False).run(stop_after=2)
+    ident = json.load(open(tmp_path / "run" / "run.json"))
+    for k in ("unroll", "step_decay", "init_from"):  # an earlier version's run.json ...
+        del ident[k]
+    ident.update(num_experts=1, experts_per_token=1, candidate_mode="decoupled", parallel_decoding=False)
+    json.dump(ident, open(tmp_path / "run" / "run.json", "w"))
+    resumed = Trainer(config(tmp_path / "run", data, steps=3, warmup=1, method="eagle2", unroll=1), target,
+                      resume=True, progress=False)  # ... was single-step training
+    assert resumed.step == 2
+    with pytest.raises(JakiroError, match=r"differs in: unroll"):
+        Trainer(config(tmp_path / "run", data, steps=3, warmup=1, method="eagle2", unroll=2), target,
+                resume=True, progress=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -15,6 +14,7 @@ import torch
 from ..data.conversations import iter_conversations
 from ..data.decontaminate import PromptFilter, evaluation_prompts
 from ..errors import JakiroError
+from .config import DataConfig
 
 STATE_FILE = "state.json"
 
@@ -49,26 +49,6 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> tupl
             break
     ids, mask = ids[:max_len], mask[:max_len]
     return (ids, mask) if sum(mask) > 0 else None
-
-
-@dataclass
-class DataConfig:
-    target: str
-    source: str = "sharegpt"
-    max_records: int = 1000
-    max_len: int = 512
-    shard_size: int = 64
-    regenerate: str = "none"  # none | greedy | sample
-    regen_max_tokens: int = 256
-    seed: int = 0
-    regen_batch: int = 32  # conversations decoded together
-    sample_share: float = 0.0  # greedy regeneration: share of conversations sampled instead
-    filter_evaluation: bool = True  # drop conversations that touch evaluation prompts
-
-    def regen_settings(self):
-        from ..data.regenerate import RegenSettings
-        return RegenSettings(mode=self.regenerate, max_len=self.max_len, max_new_tokens=self.regen_max_tokens,
-                             batch=self.regen_batch, sample_share=self.sample_share, seed=self.seed)
 
 
 REGENERATED_FILE = "regenerated.jsonl"

@@ -21,11 +21,11 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from .config import JAKIRO_LOSSES, STEP_DECAY
+
 P_WEIGHT = 0.1  # w_p
 CONTRASTIVE_WEIGHT = 0.5
-STEP_DECAY = 0.8
 EXPERT_QUOTA = 2  # candidates the first expert proposes before the second one (top-k 4, 2 experts)
-JAKIRO_LOSSES = ("separate", "full", "reference")
 
 
 @dataclass

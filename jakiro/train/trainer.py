@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -18,39 +18,8 @@ import torch.distributed as dist
 from ..draft import DraftConfig, DraftModel, load_draft, save_draft
 from ..errors import JakiroError
 from .dataset import FeatureDataset
-from .losses import JAKIRO_LOSSES, STEP_DECAY, draft_loss, heldout_metrics
-
-
-@dataclass
-class TrainConfig:
-    data: str
-    out: str
-    method: str = "jakiro"
-    num_experts: int = 2
-    experts_per_token: int = 2
-    candidate_mode: str = "decoupled"
-    parallel_decoding: bool = True
-    draft_vocab_size: int | None = 8192
-    steps: int = 1000
-    batch_size: int = 8  # records per optimizer step (global, over all processes)
-    seq_len: int = 512
-    lr: float = 1e-3
-    warmup: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    noise: float = 0.2  # uniform input-feature noise in [-noise/2, noise/2]
-    unroll: int = 4  # draft steps trained per position (training-time test); 1 = single-step
-    step_decay: float = STEP_DECAY  # loss weight of step s: step_decay ** (s - 1)
-    jakiro_loss: str = "separate"  # separate | full | reference (see train/losses.py)
-    init_from: str | None = None  # start from this draft's weights instead of a random init
-    eval_every: int = 200
-    eval_records: int = 32
-    eval_steps: int = 4
-    tau_every: int = 0  # measure greedy decoding tau on held-out prompts every N steps (0 = never)
-    tau_prompts: int = 6
-    tau_tokens: int = 48
-    checkpoint_every: int = 100
-    seed: int = 0
+from .config import JAKIRO_LOSSES, TrainConfig
+from .losses import draft_loss, heldout_metrics
 
 
 def _rank_world() -> tuple[int, int]:
@@ -102,6 +71,21 @@ class DraftLoss(torch.nn.Module):
     def forward(self, ids, feats, mask, noises):
         cfg = self.cfg
         return draft_loss(self.model, ids, feats, mask, cfg.unroll, noises, cfg.jakiro_loss, cfg.step_decay)
+
+
+# settings added after a run format was first written, with the behaviour runs had before them
+_LEGACY_SETTINGS = {"unroll": 1, "step_decay": 0.8, "jakiro_loss": "full", "init_from": None}
+_MOE_SETTINGS = ("num_experts", "experts_per_token", "candidate_mode", "parallel_decoding", "jakiro_loss")
+
+
+def _upgrade_identity(previous: dict, current: dict) -> dict:
+    """A run.json written by an earlier version, in today's terms: settings it predates get the
+    behaviour it had, and an eagle2 run's Mixture-of-Experts settings (which never applied) go."""
+    upgraded = {**{k: v for k, v in _LEGACY_SETTINGS.items() if k in current}, **previous}
+    if previous.get("method") == "eagle2":
+        for k in _MOE_SETTINGS:
+            upgraded.pop(k, None)
+    return upgraded
 
 
 def heldout_batches(ds: FeatureDataset, indices: list[int], seq_len: int, device, size: int = 8):
@@ -188,7 +172,7 @@ class Trainer:
             ident.pop(k)
         ident["target_name"] = self.ds.identity["target_name"]
         if self.cfg.method == "eagle2":  # one dense MLP: the Mixture-of-Experts settings do not apply
-            for k in ("num_experts", "experts_per_token", "candidate_mode", "parallel_decoding", "jakiro_loss"):
+            for k in _MOE_SETTINGS:
                 ident.pop(k)
         return ident
 
@@ -211,7 +195,7 @@ class Trainer:
         run_file = os.path.join(self.cfg.out, "run.json")
         if os.path.exists(run_file):
             with open(run_file) as f:
-                previous = json.load(f)
+                previous = _upgrade_identity(json.load(f), self._run_identity())
             if previous != self._run_identity():
                 diff = sorted(k for k in set(previous) | set(self._run_identity())
                               if previous.get(k) != self._run_identity().get(k))

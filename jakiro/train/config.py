@@ -1,0 +1,91 @@
+"""Settings of dataset building and draft training: one definition each, read by the builders
+and by the command line (its options, defaults and help come from here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+STEP_DECAY = 0.8
+JAKIRO_LOSSES = ("separate", "full", "reference")
+
+
+def _opt(default, help: str, **cli):
+    """A dataclass field with its command-line help (and argparse extras such as ``choices``)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
+@dataclass
+class DataConfig:
+    target: str | None
+    source: str = _opt("sharegpt", "'sharegpt' (the installed package) or a JSONL file of {'conversations': "
+                                   "[{from, value}]} or {'messages': [{role, content}]}, optionally .gz")
+    max_records: int = _opt(1000, "conversations to build (counting from the start of the source)")
+    max_len: int = _opt(512, "tokens per conversation (truncated)")
+    shard_size: int = _opt(64, "conversations per safetensors shard (the unit of resuming)")
+    regenerate: str = _opt("none", "replace assistant turns with the target's own answers",
+                           choices=("none", "greedy", "sample"))
+    regen_max_tokens: int = _opt(256, "longest regenerated answer, in tokens")
+    seed: int = _opt(0, "seed of sampled regeneration")
+    regen_batch: int = _opt(32, "conversations regenerated together")
+    sample_share: float = _opt(0.0, "with --regenerate greedy: share of conversations answered by sampling "
+                                    "(T 0.8, top-p 0.95)")
+    filter_evaluation: bool = _opt(True, "drop conversations that touch MT-bench, Spec-Bench or HumanEval prompts")
+
+    def regen_settings(self):
+        from ..data.regenerate import RegenSettings
+        return RegenSettings(mode=self.regenerate, max_len=self.max_len, max_new_tokens=self.regen_max_tokens,
+                             batch=self.regen_batch, sample_share=self.sample_share, seed=self.seed)
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str
+    method: str = _opt("jakiro", "draft architecture", choices=("eagle2", "jakiro"))
+    num_experts: int = _opt(2, "jakiro: number of experts N", flag="--experts")
+    experts_per_token: int = _opt(2, "jakiro: activated experts K (>= 2)", flag="--active")
+    candidate_mode: str = _opt("decoupled", "jakiro: tree candidates from each activated expert (decoupled) "
+                                            "or from their blend", flag="--candidates",
+                               choices=("decoupled", "blended"))
+    parallel_decoding: bool = _opt(True, "jakiro: train the contrastive branch (the last tree layer without "
+                                         "another draft forward)")
+    draft_vocab_size: int | None = _opt(8192, "draft head vocabulary, the most frequent tokens of the data "
+                                              "(0 = the full vocabulary)", flag="--draft-vocab")
+    steps: int = _opt(1000, "optimizer steps")
+    batch_size: int = _opt(8, "records per optimizer step (global, over all processes)")
+    seq_len: int = _opt(512, "tokens per record (longer records are cut)")
+    lr: float = _opt(1e-3, "peak learning rate (AdamW, betas 0.9/0.95)")
+    warmup: int = _opt(50, "linear warmup steps, then cosine decay to 0")
+    weight_decay: float = _opt(0.0, "AdamW weight decay")
+    grad_clip: float = _opt(0.5, "gradient norm clip")
+    noise: float = _opt(0.2, "uniform noise in [-noise/2, noise/2] added to the input features")
+    unroll: int = _opt(4, "draft steps trained per position on the draft's own predictions "
+                          "(training-time test); 1 = single-step training")
+    step_decay: float = _opt(STEP_DECAY, "loss weight of unrolled step s: step_decay ** (s - 1)")
+    jakiro_loss: str = _opt("separate", "jakiro: separate = the first expert as a draft, the second on the "
+                                        "tokens the first leaves, blend and contrastive; full = every expert "
+                                        "toward the same target; reference = blend and contrastive only",
+                            choices=JAKIRO_LOSSES)
+    init_from: str | None = _opt(None, "start from this draft's weights (same method and shape), e.g. to "
+                                       "continue a single-step run with --unroll 4", metavar="DRAFT")
+    eval_every: int = _opt(200, "held-out metrics every N steps")
+    eval_records: int = _opt(32, "held-out records (the dataset's last ones, at most 5 %%)")
+    eval_steps: int = _opt(4, "draft steps evaluated")
+    tau_every: int = _opt(0, "greedy decoding tau on held-out prompts every N steps (0 = never)")
+    tau_prompts: int = _opt(6, "held-out prompts decoded for --tau-every")
+    tau_tokens: int = _opt(48, "tokens decoded per prompt for --tau-every")
+    checkpoint_every: int = _opt(100, "checkpoint every N steps (--resume continues from the last)")
+    seed: int = _opt(0, "seed of the initialisation, the data order and the noise")
+
+
+def cli_fields(cls, skip: tuple[str, ...] = ()) -> list[tuple[str, str, object, dict]]:
+    """(field name, option, default, argparse keyword arguments) for each documented field of
+    ``cls`` but ``skip`` (the command line spells booleans as --no-... switches)."""
+    out = []
+    for f in fields(cls):
+        if "help" not in f.metadata or f.name in skip:
+            continue
+        meta = dict(f.metadata)
+        flag = meta.pop("flag", "--" + f.name.replace("_", "-"))
+        out.append((f.name, flag, f.default, meta))
+    return out
