@@ -7,6 +7,7 @@ import importlib
 import sys
 from typing import TextIO
 
+from .decoding.engine import Metrics
 from .decoding.sampling import SamplingParams
 from .errors import JakiroError
 
@@ -22,8 +23,8 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
-        self.turns = self.tokens = self.committed = self.forwards = 0
-        self.seconds = 0.0
+        self.turns = 0
+        self.total = Metrics()  # the session's turns together
 
     def _fit(self, messages: list[dict]) -> tuple[list[int], int]:
         """Token ids of the conversation, dropping the oldest exchanges (in place) until the reply
@@ -68,19 +69,15 @@ class ChatSession:
             return {"interrupted": True}
         m = result.metrics
         self.turns += 1
-        self.tokens += m.new_tokens
-        self.committed += m.committed
-        self.forwards += m.target_forwards
-        self.seconds += m.total_s
+        self.total.merge(m)
         out.write(f"\n[{m.new_tokens} tokens, {m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f}, "
                   f"{result.method}]\n")
         return {"text": text_out, "token_ids": result.token_ids, "tau": m.tau, "tokens_per_s": m.tokens_per_s}
 
     def stats(self) -> str:
-        tau = self.committed / self.forwards if self.forwards else 0.0
-        rate = self.tokens / self.seconds if self.seconds else 0.0
+        tau, rate = self.total.tau, self.total.tokens_per_s
         context = len(self.engine.encode(self.history)) if any(m["role"] == "user" for m in self.history) else 0
-        return (f"[session: {self.turns} turns, {self.tokens} tokens, {rate:.1f} tokens/s, tau {tau:.2f}, "
+        return (f"[session: {self.turns} turns, {self.total.new_tokens} tokens, {rate:.1f} tokens/s, tau {tau:.2f}, "
                 f"{len(self.history)} messages in history ({context} tokens), method {self.engine.method}]")
 
 

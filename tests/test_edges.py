@@ -68,3 +68,41 @@ def test_accepted_tokens_by_source_count_only_kept_tokens(tmp_path):
         bonuses = m.committed - m.accepted_from["lookup"]
         assert bonuses in (m.target_forwards - 1, m.target_forwards), n
         assert m.accepted_from["draft"] == m.accepted_from["both"] == 0
+
+
+def test_metrics_merge_is_the_aggregate_of_its_requests():
+    from jakiro.decoding.engine import Metrics
+    a = Metrics(new_tokens=9, target_forwards=4, committed=8, total_s=1.0, plain_steps=1,
+                accepted_from={"draft": 3, "lookup": 1, "both": 0}, depth_tried=[3, 2], depth_accepted=[2, 1])
+    b = Metrics(new_tokens=5, target_forwards=4, committed=4, total_s=0.5, plain_steps=4,
+                depth_tried=[1, 1, 1], depth_accepted=[0, 0, 0])
+    total = Metrics.total([a, b])
+    assert total.tau == 12 / 8 and total.tokens_per_s == 14 / 1.5 and total.plain_steps == 5
+    assert total.accept_rate_per_depth == [2 / 4, 1 / 3, 0.0]
+    assert total.accepted_from == {"draft": 3, "lookup": 1, "both": 0}
+    assert a.depth_tried == [3, 2] and b.new_tokens == 5  # the parts are untouched
+    again = Metrics.from_dict(total.as_dict())
+    assert again.as_dict() == total.as_dict()
+
+
+def test_incremental_detokenisation_equals_decoding_the_whole_answer():
+    """Text released piece by piece (a few tokens per cycle, through multi-byte characters and
+    random tokens) is the decode of all the tokens; with a stop string, the decode cut there."""
+    import random
+    from jakiro.api import load_tokenizer
+    from jakiro.decoding.engine import _TextTracker
+    from jakiro.models.hub import resolve_target
+    tok = load_tokenizer(resolve_target(None))
+    rng = random.Random(0)
+    for text in ["Héllo wörld — 你好，世界! 🙂 and\nnew lines   spaces.", "def f(x):\n    return x ** 2  # ok",
+                 " ünïcödé  🎉🎉 mixed…"]:
+        ids = tok(text, add_special_tokens=False).input_ids + [rng.randrange(0, 49000) for _ in range(30)]
+        full = tok.decode(ids, skip_special_tokens=True)
+        for stop in ([], [full[12:15]]):
+            tracker, out, i, cut = _TextTracker(tok, stop), "", 0, None
+            while i < len(ids) and cut is None:
+                i += rng.randint(1, 4)
+                delta, cut = tracker.update(ids[:i])
+                out += delta
+            out += tracker.flush()
+            assert out == tracker.text == (full[:full.index(stop[0])] if stop else full)

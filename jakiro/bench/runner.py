@@ -114,8 +114,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
             return {"text": text, "token_ids": toks, "new_tokens": len(toks), "total_s": secs}
         res = engines[m].generate(ids, cfg.max_new_tokens, SamplingParams(cfg.temperature, seed=seed))
         d = res.metrics.as_dict()
-        d.update(text=res.text, token_ids=res.token_ids, committed=res.metrics.committed,
-                 depth_tried=res.metrics.depth_tried, depth_accepted=res.metrics.depth_accepted)
+        d.update(text=res.text, token_ids=res.token_ids)
         return d
 
     # warm-up: one short answer per method, not recorded
@@ -209,24 +208,17 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
 
 
 def _aggregate(turns: list[dict]) -> dict:
-    tokens = sum(t["new_tokens"] for t in turns)
-    secs = sum(t["total_s"] for t in turns)
-    out = {"answers": len(turns), "new_tokens": tokens, "seconds": secs,
-           "tokens_per_s": tokens / secs if secs else 0.0}
-    if "committed" in turns[0]:
-        forwards = sum(t["target_forwards"] for t in turns)
-        out["tau"] = sum(t["committed"] for t in turns) / forwards if forwards else 0.0
-        out["target_forwards"] = forwards
-        depth = max(len(t["depth_tried"]) for t in turns)
-        tried = [sum(t["depth_tried"][d] for t in turns if d < len(t["depth_tried"])) for d in range(depth)]
-        acc = [sum(t["depth_accepted"][d] for t in turns if d < len(t["depth_accepted"])) for d in range(depth)]
-        out["accept_rate_per_depth"] = [a / n if n else 0.0 for a, n in zip(acc, tried)]
-        out["draft_s"] = sum(t["draft_s"] for t in turns)
-        out["target_s"] = sum(t["target_s"] for t in turns)
-        out["draft_fraction"] = out["draft_s"] / max(1e-9, out["draft_s"] + out["target_s"])
-        out["plain_steps"] = sum(t.get("plain_steps", 0) for t in turns)  # cycles that drafted nothing
-        out["accepted_from"] = {src: sum(t.get("accepted_from", {}).get(src, 0) for t in turns)
-                                for src in ("draft", "lookup", "both")}
+    from ..decoding.engine import Metrics
+    out = {"answers": len(turns), "new_tokens": sum(t["new_tokens"] for t in turns),
+           "seconds": sum(t["total_s"] for t in turns)}
+    out["tokens_per_s"] = out["new_tokens"] / out["seconds"] if out["seconds"] else 0.0
+    if "committed" in turns[0]:  # our engine's answers (Hugging Face's carry times and tokens only)
+        m = Metrics.total(Metrics.from_dict(t) for t in turns)
+        out.update(tau=m.tau, target_forwards=m.target_forwards, accept_rate_per_depth=m.accept_rate_per_depth,
+                   draft_s=m.draft_s, target_s=m.target_s,
+                   draft_fraction=m.draft_s / max(1e-9, m.draft_s + m.target_s),
+                   plain_steps=m.plain_steps,  # cycles that drafted nothing
+                   accepted_from={src: m.accepted_from.get(src, 0) for src in ("draft", "lookup", "both")})
     else:
         out["tau"] = None
     return out

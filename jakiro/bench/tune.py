@@ -26,14 +26,9 @@ CALIBRATION = [
 
 
 def _measure(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, float]:
-    tokens = secs = committed = forwards = 0
-    for ids in prompts:
-        res = engine.generate(ids, max_new_tokens)
-        tokens += res.metrics.new_tokens
-        secs += res.metrics.total_s
-        committed += res.metrics.committed
-        forwards += res.metrics.target_forwards
-    return tokens / secs, committed / max(1, forwards)
+    from ..decoding.engine import Metrics
+    m = Metrics.total(engine.generate(ids, max_new_tokens).metrics for ids in prompts)
+    return m.tokens_per_s, m.tau
 
 
 def run_tune(draft: str, target: str | None = None, cache: str | None = None,

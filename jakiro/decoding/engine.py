@@ -18,6 +18,9 @@ from . import verify as _verify
 
 @dataclass
 class Metrics:
+    """One request's counts and times, or the sum of many (``merge``): the one definition of τ,
+    acceptance per depth and tokens/s used by the CLI, the benchmark, the server, chat and tune."""
+
     prompt_tokens: int = 0
     new_tokens: int = 0
     target_forwards: int = 0  # verification forwards (prefill excluded)
@@ -53,16 +56,45 @@ class Metrics:
             if accept_length > d:
                 self.depth_accepted[d] += 1
 
+    def merge(self, other: "Metrics") -> "Metrics":
+        """Add ``other``'s counts and times to these (in place; returns self)."""
+        for name in ("prompt_tokens", "new_tokens", "target_forwards", "prefill_s", "draft_s", "target_s",
+                     "total_s", "committed", "plain_steps"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for src, n in other.accepted_from.items():
+            self.accepted_from[src] = self.accepted_from.get(src, 0) + n
+        for mine, theirs in ((self.depth_tried, other.depth_tried), (self.depth_accepted, other.depth_accepted)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, n in enumerate(theirs):
+                mine[d] += n
+        return self
+
+    @classmethod
+    def total(cls, many) -> "Metrics":
+        out = cls()
+        for m in many:
+            out.merge(m)
+        return out
+
     def as_dict(self) -> dict:
+        """Every count and time (enough to rebuild the object with ``from_dict``) and the derived
+        rates."""
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
-            "tokens_per_s": self.tokens_per_s, "tau": self.tau,
+            "tokens_per_s": self.tokens_per_s, "tau": self.tau, "committed": self.committed,
             "target_forwards": self.target_forwards, "plain_steps": self.plain_steps,
             "accepted_from": dict(self.accepted_from),
             "accept_rate_per_depth": self.accept_rate_per_depth,
+            "depth_tried": list(self.depth_tried), "depth_accepted": list(self.depth_accepted),
             "prefill_s": self.prefill_s, "draft_s": self.draft_s, "target_s": self.target_s,
             "total_s": self.total_s,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Metrics":
+        names = cls.__dataclass_fields__
+        return cls(**{k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+                      for k, v in d.items() if k in names})
 
 
 @dataclass
@@ -76,17 +108,35 @@ class GenerationResult:
 
 class _TextTracker:
     """Incremental detokenisation with stop strings; releases only text that can no longer be
-    cut by a stop string or completed by a later token."""
+    cut by a stop string or completed by a later token.
+
+    Each update decodes only the tokens since the last complete character, with a few tokens of
+    context before them (so that tokenizers which drop a leading space at the start of a decode
+    still produce it): linear in the answer's length, where decoding the whole answer every cycle
+    was quadratic."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.emitted = 0
         self.text = ""
+        self._prefix = self._read = 0  # token offsets: decode context start, first undecoded token
+        self._ids: list[int] = []
+        self._stopped = False  # a stop string ended the text
+
+    def _decode_new(self, final: bool = False) -> None:
+        ids, decode = self._ids, self.tokenizer.decode
+        before = decode(ids[self._prefix:self._read], skip_special_tokens=True)
+        after = decode(ids[self._prefix:], skip_special_tokens=True)
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self._prefix, self._read = self._read, len(ids)
 
     def update(self, ids: list[int]) -> tuple[str, int | None]:
-        """Decode ``ids``; return (new releasable text, index where a stop string starts)."""
-        self.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        """``ids``: the answer so far (it only grows); return (new releasable text, index where a
+        stop string starts)."""
+        self._ids = ids
+        self._decode_new()
         cut = None
         for s in self.stop:
             i = self.text.find(s, max(0, self.emitted - len(s)))
@@ -94,15 +144,17 @@ class _TextTracker:
                 cut = i
         if cut is not None:
             self.text = self.text[:cut]
+            self._stopped = True
             return self.flush(), cut
         safe = len(self.text) - self.holdback
-        while safe > self.emitted and self.text[safe - 1] == "\ufffd":
-            safe -= 1
         delta = self.text[self.emitted:safe] if safe > self.emitted else ""
         self.emitted += len(delta)
         return delta, None
 
-    def flush(self) -> str:
+    def flush(self, final: bool = True) -> str:
+        """The rest of the text (with ``final``, also an incomplete last character)."""
+        if final and not self._stopped:
+            self._decode_new(final=True)
         delta = self.text[self.emitted:]
         self.emitted = len(self.text)
         return delta

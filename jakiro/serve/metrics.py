@@ -9,13 +9,14 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, dis
                                generate_latest)
 from prometheus_client.core import GaugeMetricFamily
 
-disable_created_metrics()  # no *_created series: they only add noise to scrapes
+from ..decoding.engine import Metrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
     def __init__(self):
+        disable_created_metrics()  # no *_created series (process-wide): they only add noise to scrapes
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("jakiro_requests", "HTTP requests to the generation endpoints",
@@ -29,10 +30,7 @@ class ServerMetrics:
         self.latency = Histogram("jakiro_request_seconds", "generation time per finished request",
                                  buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
         self._lock = threading.Lock()
-        self._tried: list[int] = []
-        self._acc: list[int] = []
-        self._committed = 0
-        self._forwards = 0
+        self._total = Metrics()  # every finished request since start
         r.register(_Derived(self))
 
     def track_queue(self, scheduler) -> None:
@@ -49,14 +47,7 @@ class ServerMetrics:
         self.accepted.inc(max(0, m.committed - m.target_forwards))
         self.latency.observe(m.total_s)
         with self._lock:
-            self._committed += m.committed
-            self._forwards += m.target_forwards
-            for d, (t, a) in enumerate(zip(m.depth_tried, m.depth_accepted)):
-                if d >= len(self._tried):
-                    self._tried.append(0)
-                    self._acc.append(0)
-                self._tried[d] += t
-                self._acc[d] += a
+            self._total.merge(m)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -70,8 +61,8 @@ class _Derived:
 
     def collect(self):
         with self.m._lock:
-            tried, acc = list(self.m._tried), list(self.m._acc)
-            committed, forwards = self.m._committed, self.m._forwards
+            total = self.m._total
+            tried, acc, tau = list(total.depth_tried), list(total.depth_accepted), total.tau
         t = GaugeMetricFamily("jakiro_draft_depth_tried", "decode cycles whose accepted path reached "
                               "this draft depth's candidates", labels=["depth"])
         a = GaugeMetricFamily("jakiro_draft_depth_accepted", "... and accepted a token there", labels=["depth"])
@@ -84,4 +75,4 @@ class _Derived:
         yield a
         yield rate
         yield GaugeMetricFamily("jakiro_tau", "tokens committed per target forward since start",
-                                value=committed / forwards if forwards else 0.0)
+                                value=tau)
