@@ -101,20 +101,8 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
             for size in (vocab // 4, vocab // 2):
                 finals.append(measure(dict(best, draft_vocab=size), prompts_ids, max_new_tokens, 2, bar))
         bar.close()
-        # the finalists again, side by side with plain decoding: choose by measured speedup, not by
-        # tokens/s measured minutes apart on a machine whose speed drifts
         finalists = sorted(finals, key=lambda r: r["tokens_per_s"], reverse=True)[:FINALISTS]
-        engines = [jk.engine("ar")] + [engine_for(r) for r in finalists]
-        tokens = [0] * len(engines)
-        secs = [0.0] * len(engines)
-        for _ in range(FINAL_ROUNDS):
-            for ids in prompts_ids:  # interleaved per prompt
-                for i, engine in enumerate(engines):
-                    m = engine.generate(ids, max_new_tokens).metrics
-                    tokens[i] += m.new_tokens
-                    secs[i] += m.total_s
-        rates = [t / s for t, s in zip(tokens, secs)]
-        speedups = [r / rates[0] for r in rates[1:]]
+        speedups = _side_by_side(jk.engine("ar"), [engine_for(r) for r in finalists], prompts_ids, max_new_tokens)
         i = max(range(len(finalists)), key=speedups.__getitem__)
         result["complete"] = True
         save(dict(finalists[i], speedup=speedups[i]))
@@ -123,6 +111,18 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
         result["interrupted"] = True
     result["saved_to"] = path if os.path.exists(path) and "best" in result else None
     return result
+
+
+def _side_by_side(plain, engines: list, prompts_ids: list[list[int]], max_new_tokens: int) -> list[float]:
+    """Speedup of each engine over plain decoding, measured interleaved per prompt (choose by
+    measured speedup, not by tokens/s measured minutes apart on a machine whose speed drifts)."""
+    from ..decoding.engine import Metrics
+    totals = [Metrics() for _ in range(len(engines) + 1)]
+    for _ in range(FINAL_ROUNDS):
+        for ids in prompts_ids:
+            for total, engine in zip(totals, [plain] + engines):
+                total.merge(engine.generate(ids, max_new_tokens).metrics)
+    return [t.tokens_per_s / totals[0].tokens_per_s for t in totals[1:]]
 
 
 def _tree_key(row: dict) -> tuple:

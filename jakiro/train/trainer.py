@@ -101,6 +101,27 @@ class Trainer:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         _init_distributed(self.device)
         self.rank, self.world = _rank_world()
+        self._check_settings()
+        target = self._load_data_and_target(target_path, cache_dir)
+        self.ckpt_dir = os.path.join(cfg.out, "checkpoint")
+        self._prepare_out(resume)
+        self._build_model(target)
+        self.target = target if cfg.tau_every else None  # kept only to measure decoding
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.weight_decay)
+        self.step = self.tokens = 0
+        self.log: list[dict] = []
+        self._tau_engine = None
+        if resume and os.path.exists(os.path.join(self.ckpt_dir, "trainer.pt")):
+            self._resume()
+        self.loss = DraftLoss(self.model, cfg)
+        self.ddp = None
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+            self.ddp = DistributedDataParallel(self.loss)
+
+    def _check_settings(self) -> None:
+        cfg = self.cfg
         if cfg.jakiro_loss not in JAKIRO_LOSSES:
             raise JakiroError(f"unknown Jakiro loss {cfg.jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
         if cfg.unroll < 1:
@@ -110,11 +131,16 @@ class Trainer:
                               "(the learning rate would never reach its peak)")
         if cfg.batch_size % self.world:
             raise JakiroError(f"batch size {cfg.batch_size} must be divisible by the {self.world} processes")
+
+    def _load_data_and_target(self, target_path: str | None, cache_dir: str | None):
+        """The dataset, its train/held-out split, and the target it was built for (returned; its
+        embedding and LM head are kept)."""
+        from ..models.hub import resolve_target
+        from ..models.target import TargetModel
+        cfg = self.cfg
         self.ds = FeatureDataset(cfg.data)
         if len(self.ds) < 2:
             raise JakiroError(f"dataset {cfg.data} has {len(self.ds)} record(s); need at least 2")
-        from ..models.hub import resolve_target
-        from ..models.target import TargetModel
         self.target_dir = resolve_target(target_path, cache_dir)
         target = TargetModel.from_folder(self.target_dir)
         ident = self.ds.identity
@@ -128,8 +154,11 @@ class Trainer:
         n_eval = min(cfg.eval_records, max(1, len(self.ds) // 20))
         self.eval_idx = list(range(len(self.ds) - n_eval, len(self.ds)))
         self.train_idx = list(range(len(self.ds) - n_eval))
-        self.ckpt_dir = os.path.join(cfg.out, "checkpoint")
-        self._prepare_out(resume)
+        return target
+
+    def _build_model(self, target) -> None:
+        """The draft: seeded initialisation (or --init-from), its vocabulary, the target's head."""
+        cfg = self.cfg
         overrides = dict(num_experts=cfg.num_experts, experts_per_token=cfg.experts_per_token,
                          candidate_mode=cfg.candidate_mode, parallel_decoding=cfg.parallel_decoding,
                          draft_vocab_size=cfg.draft_vocab_size)
@@ -145,25 +174,15 @@ class Trainer:
             self._init_from(cfg.init_from, target)
         self.model.to(self.device)
         self.model.attach_target(self.embed, self.full_head)
-        self.target = target if cfg.tau_every else None  # kept only to measure decoding
-        del target
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                     weight_decay=cfg.weight_decay)
-        self.step = self.tokens = 0
-        self.log: list[dict] = []
-        self._tau_engine = None
-        if resume and os.path.exists(os.path.join(self.ckpt_dir, "trainer.pt")):
-            self._load_checkpoint()
-            if self.step > cfg.steps:
-                raise JakiroError(f"{cfg.out} is already at step {self.step}, beyond --steps {cfg.steps}")
-            if progress and self.rank == 0:
-                print(f"[jakiro] resuming {cfg.out} at step {self.step} of {cfg.steps}"
-                      + (" (already complete)" if self.step == cfg.steps else ""), file=sys.stderr, flush=True)
-        self.loss = DraftLoss(self.model, cfg)
-        self.ddp = None
-        if self.world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-            self.ddp = DistributedDataParallel(self.loss)
+
+    def _resume(self) -> None:
+        cfg = self.cfg
+        self._load_checkpoint()
+        if self.step > cfg.steps:
+            raise JakiroError(f"{cfg.out} is already at step {self.step}, beyond --steps {cfg.steps}")
+        if self.progress and self.rank == 0:
+            print(f"[jakiro] resuming {cfg.out} at step {self.step} of {cfg.steps}"
+                  + (" (already complete)" if self.step == cfg.steps else ""), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ run folder
     def _run_identity(self) -> dict:
