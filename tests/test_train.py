@@ -59,17 +59,24 @@ def _random_draft(method: str, target_dir: str, seed: int = 0):
     return draft.attach_target(target.embed, target.lm_head.weight)
 
 
+def _random_sequence(draft, length: int, seed: int, first_loss: int):
+    """One random record: ids [1, L], features [1, L, d], loss mask from ``first_loss`` on."""
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(1, length, draft.config.hidden_size, generator=g)
+    ids = torch.randint(0, 256, (1, length), generator=g)
+    mask = torch.zeros(1, length, dtype=torch.bool)
+    mask[0, first_loss:] = True
+    return ids, feats, mask
+
+
 @pytest.mark.parametrize("method", ["eagle2", "jakiro"])
 def test_unrolled_training_steps_equal_drafting_with_a_cache(tiny_setup, method):
     """Step s of row j in training computes exactly what drafting computes s steps deep from root j:
     the target's features up to j, then the draft's own carried features and the path's tokens."""
     target, _ = tiny_setup
     draft = _random_draft(method, target).eval()
-    g = torch.Generator().manual_seed(1)
     L, d = 14, draft.config.hidden_size
-    feats = torch.randn(1, L, d, generator=g)
-    ids = torch.randint(0, 256, (1, L), generator=g)
-    mask = torch.ones(1, L, dtype=torch.bool)
+    ids, feats, mask = _random_sequence(draft, L, seed=1, first_loss=0)
     with torch.no_grad():
         steps = {rows.step: rows for rows in unroll(draft, ids, feats, mask, 3)}
         for root in (0, 4, 9):
@@ -94,12 +101,8 @@ def test_unrolled_training_steps_equal_drafting_with_a_cache(tiny_setup, method)
 def test_single_step_loss_is_the_sum_of_branch_losses(tiny_setup):
     target, _ = tiny_setup
     draft = _random_draft("jakiro", target)
-    g = torch.Generator().manual_seed(2)
-    L, d = 12, draft.config.hidden_size
-    feats = torch.randn(1, L, d, generator=g)
-    ids = torch.randint(0, 256, (1, L), generator=g)
-    mask = torch.zeros(1, L, dtype=torch.bool)
-    mask[0, 5:] = True
+    L = 12
+    ids, feats, mask = _random_sequence(draft, L, seed=2, first_loss=5)
     total, parts = draft_loss(draft, ids, feats, mask, steps=1, jakiro_loss="full")
     out = draft(feats[:, :-1], ids[:, 1:], torch.arange(L - 1))
     head = draft.head_weight
@@ -116,12 +119,8 @@ def test_heldout_metrics_count_what_drafting_would_propose(tiny_setup):
     target, _ = tiny_setup
     draft = _random_draft("jakiro", target)
     full_head = TargetModel.from_folder(target).lm_head.weight
-    g = torch.Generator().manual_seed(3)
-    L, d = 16, draft.config.hidden_size
-    feats = torch.randn(1, L, d, generator=g)
-    ids = torch.randint(0, 256, (1, L), generator=g)
-    mask = torch.zeros(1, L, dtype=torch.bool)
-    mask[0, 6:] = True
+    L = 16
+    ids, feats, mask = _random_sequence(draft, L, seed=3, first_loss=6)
     ev = heldout_metrics(draft, [(ids, feats, mask)], 2, full_head)
     assert set(ev) == {"top1", "contrastive_top1", "expert_same_top1", "expert_cos"}
     with torch.no_grad():
