@@ -36,9 +36,9 @@ class _Parser(argparse.ArgumentParser):
 def _add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
     """Options from a settings dataclass: its fields' defaults, help and choices."""
     for name, flag, default, meta in cli_fields(cls, skip):
-        kind = type(default) if default is not None else (int if name == "draft_vocab_size" else str)
+        meta.setdefault("type", type(default) if default is not None else str)
         meta.setdefault("metavar", None if "choices" in meta else flag[2:].upper().replace("-", "_"))
-        p.add_argument(flag, dest=name, type=kind, default=default, **meta)
+        p.add_argument(flag, dest=name, default=default, **meta)
 
 
 def _config_from(args, cls, **extra):

@@ -38,6 +38,14 @@ class StepRows:
     out: object
     r: torch.Tensor
 
+    def targets(self, mask: torch.Tensor, ahead: int = 0):
+        """The rows whose prediction ``ahead`` positions past this step's (the contrastive branch:
+        1) lands inside ``mask``: (selector over the rows, their batch index, that position)."""
+        p = self.j + self.step + ahead
+        ok = p < mask.shape[1]
+        ok[ok.clone()] = mask[self.b[ok], p[ok]]
+        return ok, self.b[ok], p[ok]
+
 
 def carried_feature(model, out) -> torch.Tensor:
     """The feature the next draft step reads on the best path: the first activated expert's with
@@ -134,12 +142,8 @@ def second_expert_loss(taken: torch.Tensor, pred_b: torch.Tensor, target_feat: t
 def step_parts(model, rows: StepRows, targets: TargetRows, mask: torch.Tensor, head: torch.Tensor,
                jakiro_loss: str) -> dict[str, torch.Tensor]:
     """Summed losses of one unrolled step, by branch."""
-    L = mask.shape[1]
-    out, s = rows.out, rows.step
-    p = rows.j + s
-    ok = p < L
-    ok[ok.clone()] = mask[rows.b[ok], p[ok]]
-    b, p = rows.b[ok], p[ok]
+    out = rows.out
+    ok, b, p = rows.targets(mask)
     feat, probs = targets.feats[b, p], targets.probs(b, p)
     parts = {"blend": branch_loss(out.blend[ok], feat, probs, head)}
     if model.config.method == "jakiro":
@@ -153,10 +157,7 @@ def step_parts(model, rows: StepRows, targets: TargetRows, mask: torch.Tensor, h
             parts["experts"] = branch_loss(experts[:, 0], feat, probs, head, logits=logits_a) + \
                 second_expert_loss(taken, experts[:, 1], feat, probs, head)
         if out.contrastive is not None:  # predicts one position further
-            p2 = rows.j + s + 1
-            ok2 = p2 < L
-            ok2[ok2.clone()] = mask[rows.b[ok2], p2[ok2]]
-            b2, p2 = rows.b[ok2], p2[ok2]
+            ok2, b2, p2 = rows.targets(mask, ahead=1)
             parts["contrastive"] = CONTRASTIVE_WEIGHT * branch_loss(
                 out.contrastive[ok2], targets.feats[b2, p2], targets.probs(b2, p2), head)
     return parts
@@ -201,29 +202,27 @@ def heldout_metrics(model, batches, steps: int, full_head: torch.Tensor) -> dict
         acc[1, k] += hits.numel()
 
     jakiro = model.config.method == "jakiro"
+    decoupled = jakiro and model.config.candidate_mode == "decoupled"
     for ids, feats, mask in batches:
-        L = mask.shape[1]
         target_tok = torch.full(mask.shape, -1, dtype=torch.long)
         target_tok[mask] = F.linear(feats[mask], full_head).argmax(-1)
         for rows in unroll(model, ids, feats, mask, steps, lookahead=2 if jakiro else 1):
             k = rows.step - 1
-            p = rows.j + rows.step
-            ok = p < L
-            ok[ok.clone()] = mask[rows.b[ok], p[ok]]
-            best = model.to_target_ids(model.head_logits(carried_feature(model, rows.out)[ok]).argmax(-1))
-            add("top1", k, best == target_tok[rows.b[ok], p[ok]])
+            ok, b, p = rows.targets(mask)
+            if jakiro:
+                experts = rows.out.features[ok]
+                tops = model.head_logits(experts).argmax(-1)  # [M, K]
+            # the best path's token: the first expert's top token with decoupled candidates
+            best = tops[:, 0] if decoupled else model.head_logits(carried_feature(model, rows.out)[ok]).argmax(-1)
+            add("top1", k, model.to_target_ids(best) == target_tok[b, p])
             if not jakiro:
                 continue
-            experts = rows.out.features[ok]
-            tops = model.head_logits(experts).argmax(-1)  # [M, K]
             add("expert_same_top1", k, (tops[:, 0] == tops[:, 1]).double())
             delta = experts - rows.r[ok].unsqueeze(1)
             add("expert_cos", k, F.cosine_similarity(delta[:, 0], delta[:, 1], dim=-1).double())
             if rows.out.contrastive is not None:
-                p2 = rows.j + rows.step + 1
-                ok2 = p2 < L
-                ok2[ok2.clone()] = mask[rows.b[ok2], p2[ok2]]
+                ok2, b2, p2 = rows.targets(mask, ahead=1)
                 con = model.to_target_ids(model.head_logits(rows.out.contrastive[ok2]).argmax(-1))
-                add("contrastive_top1", k, con == target_tok[rows.b[ok2], p2[ok2]])
+                add("contrastive_top1", k, con == target_tok[b2, p2])
     model.train(was_training)
     return {name: (acc[0] / acc[1].clamp(min=1)).tolist() for name, acc in sums.items()}

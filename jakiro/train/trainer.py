@@ -310,20 +310,19 @@ class Trainer:
         """τ of real greedy decoding with the draft as it stands (default tree, no cost-aware
         sizing) on the first user turns of held-out records: committed tokens per target forward."""
         from ..api import load_tokenizer
-        from ..decoding.engine import Engine
+        from ..decoding.engine import Engine, Metrics
         from ..decoding.proposers import DraftProposer, TreeBudget
         if self._tau_engine is None:
             self._tau_engine = Engine(self.target, load_tokenizer(self.target_dir),
                                       DraftProposer(self.model, TreeBudget()))
-        committed = forwards = 0
         self.model.eval()
+        total = Metrics()
         for i in self.eval_idx[: self.cfg.tau_prompts]:
             ids, mask, _ = self.ds.record(i)
             start = int(torch.nonzero(mask)[0]) if mask.any() else len(ids)
-            m = self._tau_engine.generate(ids[:start].tolist(), self.cfg.tau_tokens).metrics
-            committed, forwards = committed + m.committed, forwards + m.target_forwards
+            total.merge(self._tau_engine.generate(ids[:start].tolist(), self.cfg.tau_tokens).metrics)
         self.model.train()
-        return committed / max(1, forwards)
+        return total.tau
 
     def run(self, stop_after: int | None = None) -> dict:
         """Train until cfg.steps (or ``stop_after`` more steps, for tests of resuming)."""
