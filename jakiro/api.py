@@ -28,6 +28,16 @@ def load_tokenizer(folder: str):
         raise JakiroError(f"cannot load the tokenizer from {folder}: {exc}") from None
 
 
+def check_method_options(method: str, budget: "TreeBudget | None", tree: str | None) -> None:
+    """The one rule for which tree options a method takes (API, command line and server alike)."""
+    if method not in METHODS:
+        raise JakiroError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+    if method in ("ar", "pld") and (budget is not None or tree is not None):
+        raise JakiroError("--depth/--tree-top-k/--total-tokens/--tree apply to eagle2 and jakiro drafts")
+    if tree is not None and budget is not None:
+        raise JakiroError("a static --tree fixes the tree: drop --depth/--tree-top-k/--total-tokens")
+
+
 class Jakiro:
     """A target model, its tokenizer, and one engine per decoding method (sharing the target)."""
 
@@ -45,15 +55,10 @@ class Jakiro:
         without an explicit budget or static tree: the user's tree wins) each cycle drafts only
         what pays on this machine (``decoding.adaptive``). ``tree``: ``static:NAME|PATH``, a
         static (EAGLE-1) tree instead of the dynamic one."""
-        if method not in METHODS:
-            raise JakiroError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
+        check_method_options(method, budget, tree)
         static = None
         if tree is not None:
             from .decoding.static_tree import parse_tree
-            if method in ("ar", "pld"):
-                raise JakiroError("--tree applies to eagle2 and jakiro drafts")
-            if budget is not None:
-                raise JakiroError("a static --tree fixes the tree: drop --depth/--tree-top-k/--total-tokens")
             static = parse_tree(tree)
         name, lookup = method, method.endswith("+pld")
         method = method.removesuffix("+pld")
@@ -80,11 +85,10 @@ class Jakiro:
                 if tuned and parallel_decoding is None:
                     parallel_decoding = tuned.get("parallel_decoding")
             try:
-                proposer = DraftProposer(model, budget or TreeBudget(), candidate_mode, parallel_decoding, static)
+                proposer = DraftProposer(model, budget or TreeBudget(), candidate_mode, parallel_decoding, static,
+                                         head_vocab=tuned.get("draft_vocab") if tuned else None)
             except ValueError as exc:
                 raise JakiroError(str(exc)) from None
-            if tuned and tuned.get("draft_vocab"):
-                proposer.head_vocab = tuned["draft_vocab"]
             if (adaptive and not explicit) or lookup:
                 from .decoding.adaptive import AdaptiveProposer
                 proposer = AdaptiveProposer(proposer, self.target, adaptive=adaptive and not explicit,
@@ -139,14 +143,16 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     from .models.hub import resolve_target
     from .models.target import TargetModel
 
-    path = resolve_target(target, cache_dir)
-    model = TargetModel.from_folder(path)
-    jk = Jakiro(model, load_tokenizer(path), path)
     if method is None and draft is not None:
         from .draft.checkpoint import read_draft_config
         method = read_draft_config(draft).method
     method = method or "ar"
-    jk.add_method(method, draft, tree_budget(depth, top_k, total_tokens), candidate_mode, parallel_decoding,
+    budget = tree_budget(depth, top_k, total_tokens)
+    check_method_options(method, budget, tree)  # before the target loads: bad options fail fast
+    path = resolve_target(target, cache_dir)
+    model = TargetModel.from_folder(path)
+    jk = Jakiro(model, load_tokenizer(path), path)
+    jk.add_method(method, draft, budget, candidate_mode, parallel_decoding,
                   cache_dir=cache_dir, adaptive=adaptive, tree=tree)
     jk.default_method = method
     return jk

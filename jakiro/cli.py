@@ -159,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static (-fixed: the draft's fixed tree every "
                    "cycle; -static: the --static-tree)")
     b.add_argument("--static-tree", default="static:cpu", help="tree of the -static methods (static:NAME|PATH)")
-    b.add_argument("--draft", action="append", default=[], metavar="NAME=PATH", help="draft per method")
+    b.add_argument("--draft", action="append", default=[], metavar="PATH",
+                   help="draft folder, used for its own method (repeatable); METHOD=PATH picks the method, "
+                        "e.g. jakiro-blended=runs/x")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--limit-per-category", type=int)
@@ -189,9 +191,6 @@ def cmd_generate(args) -> int:
     from .decoding.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)  # validate early
-    if args.method in (None, "ar") and args.draft is None and any(
-            v is not None for v in (args.depth, args.tree_top_k, args.total_tokens)):
-        raise JakiroError("--depth/--tree-top-k/--total-tokens apply to eagle2 and jakiro drafts")
     jk = load(args.target, args.draft, args.method, args.depth, args.tree_top_k, args.total_tokens,
               args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
               args.tree)
@@ -240,8 +239,6 @@ def _load_for_session(args):
     method = args.method
     if method is None and args.draft is None:
         method = "jakiro" if args.target is None and shipped_draft("jakiro") else "ar"
-    if method in ("ar", "pld") and any(v is not None for v in (args.depth, args.tree_top_k, args.total_tokens)):
-        raise JakiroError("--depth/--tree-top-k/--total-tokens apply to eagle2 and jakiro drafts")
     return load(args.target, args.draft, method, args.depth, args.tree_top_k, args.total_tokens,
                 args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
                 args.tree)
@@ -291,11 +288,6 @@ def cmd_bench_cost(args) -> int:
 
 def cmd_data(args) -> int:
     from .train.dataset import build_dataset
-    for name in ("max_records", "max_len", "shard_size", "regen_max_tokens", "regen_batch"):
-        if getattr(args, name) < 1:
-            raise JakiroError(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 <= args.sample_share <= 1:
-        raise JakiroError("--sample-share must be in [0, 1]")
     cfg = _config_from(args, DataConfig, target=args.target, filter_evaluation=not args.no_eval_filter)
     state = build_dataset(args.out, cfg, args.cache_dir)
     keys = ("records", "tokens", "loss_tokens", "records_done", "removed_evaluation", "removed_duplicates",
@@ -306,9 +298,6 @@ def cmd_data(args) -> int:
 
 def cmd_train(args) -> int:
     from .train.trainer import Trainer
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "unroll"):
-        if getattr(args, name) < 1:
-            raise JakiroError(f"--{name.replace('_', '-')} must be >= 1")
     cfg = _config_from(args, TrainConfig, data=args.data, out=args.out, parallel_decoding=not args.no_parallel,
                        draft_vocab_size=args.draft_vocab_size or None,
                        init_from=os.path.abspath(args.init_from) if args.init_from else None)
@@ -319,16 +308,23 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _bench_drafts(items: list[str]) -> dict[str, str]:
+    """bench --draft values: a draft folder (used for its own method) or METHOD=FOLDER."""
+    from .draft.checkpoint import read_draft_config
+    drafts = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or os.path.isdir(item):
+            name, path = read_draft_config(item).method, item
+        drafts[name] = path
+    return drafts
+
+
 def cmd_bench(args) -> int:
     from .bench.runner import BenchConfig, run_bench
     from .decoding.sampling import SamplingParams
     SamplingParams(args.temperature)
-    drafts = {}
-    for item in args.draft:
-        name, sep, path = item.partition("=")
-        if not sep:
-            raise JakiroError(f"--draft expects NAME=PATH, got {item!r}")
-        drafts[name] = path
+    drafts = _bench_drafts(args.draft)
     if args.threads is None:
         import torch
         torch.set_num_threads(1)  # benchmarks default to one thread: stable, comparable figures

@@ -189,3 +189,11 @@ def test_interrupted_bench_resumes_and_other_settings_are_refused(tmp_path, tiny
     with pytest.raises(JakiroError, match="other settings \\(max_new_tokens\\)"):
         run_bench(BenchConfig(questions, ["ar", "pld"], max_new_tokens=9, out=out,
                               target=tiny_chat_target, warmup=0), progress=False)
+
+
+def test_bench_draft_option_is_a_folder_or_method_equals_folder(tiny_draft):
+    from jakiro.cli import _bench_drafts
+    assert _bench_drafts([tiny_draft]) == {"jakiro": tiny_draft}  # the method comes from the draft
+    assert _bench_drafts([f"jakiro-blended={tiny_draft}"]) == {"jakiro-blended": tiny_draft}
+    with pytest.raises(JakiroError, match="draft folder not found: /nonexistent/draft"):
+        _bench_drafts(["/nonexistent/draft"])

@@ -383,3 +383,44 @@ def test_runs_written_before_multi_step_training_resume_as_single_step(tmp_path,
     with pytest.raises(JakiroError, match=r"differs in: unroll"):
         Trainer(config(tmp_path / "run", data, steps=3, warmup=1, method="eagle2", unroll=2), target,
                 resume=True, progress=False)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(steps=0), "--steps must be >= 1, got 0"),
+    (dict(unroll=0), "--unroll must be >= 1, got 0"),
+    (dict(batch_size=0), "--batch-size must be >= 1"),
+    (dict(lr=0.0), "--lr must be > 0"),
+    (dict(jakiro_loss="blend"), "unknown Jakiro loss 'blend'"),
+    (dict(method="medusa"), "unknown draft method 'medusa'"),
+])
+def test_training_settings_are_checked_in_one_place(tmp_path, change, message):
+    with pytest.raises(JakiroError, match=message):
+        TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), **change).check()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--steps", "0", "--steps must be >= 1, got 0"),
+    ("--unroll", "0", "--unroll must be >= 1, got 0"),
+    ("--lr", "-1", "--lr must be > 0"),
+])
+def test_train_command_refuses_bad_settings_before_creating_anything(tmp_path, capsys, flag, value, message):
+    from jakiro.cli import main
+    assert main(["train", "--data", str(tmp_path), "--out", str(tmp_path / "run"), flag, value]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_first_build_leaves_no_folder_and_an_existing_one_stays(tmp_path):
+    from jakiro.train.dataset import DataConfig, build_dataset
+    with pytest.raises(JakiroError, match="dataset not found"):  # refused before the target loads
+        build_dataset(str(tmp_path / "a"), DataConfig(None, source=str(tmp_path / "missing.jsonl")), progress=False)
+    assert not (tmp_path / "a").exists()
+    src = tmp_path / "empty.jsonl"
+    src.write_text('{"messages": []}\n')
+    with pytest.raises(JakiroError, match="at least one assistant turn"):
+        build_dataset(str(tmp_path / "b"), DataConfig(None, source=str(src)), progress=False)
+    assert not (tmp_path / "b").exists()
+    (tmp_path / "c").mkdir()
+    with pytest.raises(JakiroError, match="at least one assistant turn"):
+        build_dataset(str(tmp_path / "c"), DataConfig(None, source=str(src)), progress=False)
+    assert (tmp_path / "c").is_dir()

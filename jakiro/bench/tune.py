@@ -68,9 +68,7 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
 
     def engine_for(row: dict) -> Engine:  # every configuration shares the one loaded draft
         proposer = DraftProposer(model, TreeBudget(row["depth"], row["top_k"], row["total_tokens"]),
-                                 parallel_decoding=row.get("parallel_decoding"))
-        if row.get("draft_vocab"):
-            proposer.head_vocab = row["draft_vocab"]
+                                 parallel_decoding=row.get("parallel_decoding"), head_vocab=row.get("draft_vocab"))
         return Engine(jk.target, jk.tokenizer, proposer)
 
     def measure(row: dict, prompts_: list[list[int]], tokens: int, round_: int, bar) -> dict:

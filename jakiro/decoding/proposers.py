@@ -89,9 +89,10 @@ class DraftProposer(Proposer):
     needs_features = True
 
     def __init__(self, draft, budget: TreeBudget, candidate_mode: str | None = None,
-                 parallel_decoding: bool | None = None, static=None):
+                 parallel_decoding: bool | None = None, static=None, head_vocab: int | None = None):
         """``static``: a ``StaticTree`` to draft instead of the dynamic tree (the budget is then
-        derived from it)."""
+        derived from it). ``head_vocab``: use only the first (most frequent) entries of the draft
+        vocabulary (a reduced head chosen by ``jakiro tune``)."""
         cfg = draft.config
         self.static = static
         if static is not None:  # scratch for every forwarded node, one slot per tree node
@@ -110,7 +111,7 @@ class DraftProposer(Proposer):
             # the contrastive branch of a node's forward predicts the children of its best child only
             self.parallel = all(p[-2] == 0 for p in static.at_depth(static.depth))
         self.max_tree_tokens = budget.total_tokens + 1
-        self.head_vocab: int | None = None  # use only the most frequent entries of a reduced head
+        self.head_vocab = head_vocab
         self.cache = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.draft_forwards = 0

@@ -3,10 +3,19 @@ and by the command line (its options, defaults and help come from here)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
+
+from ..errors import JakiroError
 
 STEP_DECAY = 0.8
 JAKIRO_LOSSES = ("separate", "full", "reference")
+
+
+def _at_least_one(cfg, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(cfg, name) < 1:
+            raise JakiroError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
 
 
 def _opt(default, help: str, **cli):
@@ -30,6 +39,16 @@ class DataConfig:
     sample_share: float = _opt(0.0, "with --regenerate greedy: share of conversations answered by sampling "
                                     "(T 0.8, top-p 0.95)")
     filter_evaluation: bool = _opt(True, "drop conversations that touch MT-bench, Spec-Bench or HumanEval prompts")
+
+    def check(self) -> None:
+        """Refuse settings that cannot build a dataset (the command line and the API alike)."""
+        _at_least_one(self, ("max_records", "max_len", "shard_size", "regen_max_tokens", "regen_batch"))
+        if not 0 <= self.sample_share <= 1:
+            raise JakiroError(f"--sample-share must be in [0, 1], got {self.sample_share}")
+        if self.regenerate not in ("none", "greedy", "sample"):
+            raise JakiroError(f"unknown regeneration mode {self.regenerate!r}; choose none, greedy or sample")
+        if self.source != "sharegpt" and not os.path.isfile(self.source):
+            raise JakiroError(f"dataset not found: {self.source}")
 
     def regen_settings(self):
         from ..data.regenerate import RegenSettings
@@ -76,6 +95,23 @@ class TrainConfig:
     tau_tokens: int = _opt(48, "tokens decoded per prompt for --tau-every")
     checkpoint_every: int = _opt(100, "checkpoint every N steps (--resume continues from the last)")
     seed: int = _opt(0, "seed of the initialisation, the data order and the noise")
+
+    def check(self, world: int = 1) -> None:
+        """Refuse settings that cannot train (the command line and the API alike); ``world``:
+        the number of training processes."""
+        if self.method not in ("eagle2", "jakiro"):
+            raise JakiroError(f"unknown draft method {self.method!r}; choose eagle2 or jakiro")
+        if self.jakiro_loss not in JAKIRO_LOSSES:
+            raise JakiroError(f"unknown Jakiro loss {self.jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
+        _at_least_one(self, ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "unroll",
+                             "eval_steps"))
+        if self.warmup >= self.steps:
+            raise JakiroError(f"--warmup {self.warmup} must be below --steps {self.steps} "
+                              "(the learning rate would never reach its peak)")
+        if not self.lr > 0:
+            raise JakiroError(f"--lr must be > 0, got {self.lr}")
+        if self.batch_size % world:
+            raise JakiroError(f"batch size {self.batch_size} must be divisible by the {world} processes")
 
 
 def cli_fields(cls, skip: tuple[str, ...] = ()) -> list[tuple[str, str, object, dict]]:

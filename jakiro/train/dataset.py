@@ -148,15 +148,26 @@ def _read_state(folder: str) -> dict | None:
 
 def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progress: bool = True) -> dict:
     """Build (or continue building) the dataset in ``out``; returns the state dict."""
-    from tqdm import tqdm
-
     from ..api import load
 
+    cfg.check()
     jk = load(cfg.target, cache_dir=cache_dir)
-    target, tokenizer = jk.target, jk.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(jk.tokenizer, "chat_template", None):
         raise JakiroError("the target's tokenizer has no chat template; cannot build chat training data")
+    created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
+    try:
+        return _build_in(out, cfg, jk, progress)
+    except BaseException:
+        if created and not os.listdir(out):  # a failed first attempt leaves no empty folder behind
+            os.rmdir(out)
+        raise
+
+
+def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
+    from tqdm import tqdm
+
+    target, tokenizer = jk.target, jk.tokenizer
     identity = {"target_name": target.config.name, "hidden_size": target.config.hidden_size,
                 "vocab_size": target.config.vocab_size, "source": cfg.source, "max_len": cfg.max_len,
                 "regenerate": cfg.regenerate, "seed": cfg.seed}

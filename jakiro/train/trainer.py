@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..draft import DraftConfig, DraftModel, load_draft, save_draft
 from ..errors import JakiroError
 from .dataset import FeatureDataset
-from .config import JAKIRO_LOSSES, TrainConfig
+from .config import TrainConfig
 from .losses import draft_loss, heldout_metrics
 
 
@@ -101,7 +101,7 @@ class Trainer:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         _init_distributed(self.device)
         self.rank, self.world = _rank_world()
-        self._check_settings()
+        cfg.check(self.world)
         target = self._load_data_and_target(target_path, cache_dir)
         self.ckpt_dir = os.path.join(cfg.out, "checkpoint")
         self._prepare_out(resume)
@@ -119,18 +119,6 @@ class Trainer:
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel
             self.ddp = DistributedDataParallel(self.loss)
-
-    def _check_settings(self) -> None:
-        cfg = self.cfg
-        if cfg.jakiro_loss not in JAKIRO_LOSSES:
-            raise JakiroError(f"unknown Jakiro loss {cfg.jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
-        if cfg.unroll < 1:
-            raise JakiroError(f"unroll must be >= 1 (got {cfg.unroll})")
-        if cfg.warmup >= cfg.steps:
-            raise JakiroError(f"--warmup {cfg.warmup} must be below --steps {cfg.steps} "
-                              "(the learning rate would never reach its peak)")
-        if cfg.batch_size % self.world:
-            raise JakiroError(f"batch size {cfg.batch_size} must be divisible by the {self.world} processes")
 
     def _load_data_and_target(self, target_path: str | None, cache_dir: str | None):
         """The dataset, its train/held-out split, and the target it was built for (returned; its
