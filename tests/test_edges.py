@@ -90,7 +90,7 @@ def test_incremental_detokenisation_equals_decoding_the_whole_answer():
     random tokens) is the decode of all the tokens; with a stop string, the decode cut there."""
     import random
     from jakiro.api import load_tokenizer
-    from jakiro.decoding.engine import _TextTracker
+    from jakiro.decoding.text import TextTracker
     from jakiro.models.hub import resolve_target
     tok = load_tokenizer(resolve_target(None))
     rng = random.Random(0)
@@ -99,7 +99,7 @@ def test_incremental_detokenisation_equals_decoding_the_whole_answer():
         ids = tok(text, add_special_tokens=False).input_ids + [rng.randrange(0, 49000) for _ in range(30)]
         full = tok.decode(ids, skip_special_tokens=True)
         for stop in ([], [full[12:15]]):
-            tracker, out, i, cut = _TextTracker(tok, stop), "", 0, None
+            tracker, out, i, cut = TextTracker(tok, stop), "", 0, None
             while i < len(ids) and cut is None:
                 i += rng.randint(1, 4)
                 delta, cut = tracker.update(ids[:i])

@@ -12,6 +12,7 @@ import torch
 from ..errors import JakiroError
 from .proposers import Proposer
 from .sampling import SamplingParams, next_token
+from .text import TextTracker, render_prompt
 from .tree import DRAFT, LOOKUP
 from . import verify as _verify
 
@@ -106,60 +107,6 @@ class GenerationResult:
     method: str
 
 
-class _TextTracker:
-    """Incremental detokenisation with stop strings; releases only text that can no longer be
-    cut by a stop string or completed by a later token.
-
-    Each update decodes only the tokens since the last complete character, with a few tokens of
-    context before them (so that tokenizers which drop a leading space at the start of a decode
-    still produce it): linear in the answer's length, where decoding the whole answer every cycle
-    was quadratic."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        self.emitted = 0
-        self.text = ""
-        self._prefix = self._read = 0  # token offsets: decode context start, first undecoded token
-        self._ids: list[int] = []
-        self._stopped = False  # a stop string ended the text
-
-    def _decode_new(self, final: bool = False) -> None:
-        ids, decode = self._ids, self.tokenizer.decode
-        before = decode(ids[self._prefix:self._read], skip_special_tokens=True)
-        after = decode(ids[self._prefix:], skip_special_tokens=True)
-        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.text += after[len(before):]
-            self._prefix, self._read = self._read, len(ids)
-
-    def update(self, ids: list[int]) -> tuple[str, int | None]:
-        """``ids``: the answer so far (it only grows); return (new releasable text, index where a
-        stop string starts)."""
-        self._ids = ids
-        self._decode_new()
-        cut = None
-        for s in self.stop:
-            i = self.text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0 and (cut is None or i < cut):
-                cut = i
-        if cut is not None:
-            self.text = self.text[:cut]
-            self._stopped = True
-            return self.flush(), cut
-        safe = len(self.text) - self.holdback
-        delta = self.text[self.emitted:safe] if safe > self.emitted else ""
-        self.emitted += len(delta)
-        return delta, None
-
-    def flush(self, final: bool = True) -> str:
-        """The rest of the text (with ``final``, also an incomplete last character)."""
-        if final and not self._stopped:
-            self._decode_new(final=True)
-        delta = self.text[self.emitted:]
-        self.emitted = len(self.text)
-        return delta
-
-
 class Engine:
     """Runs one request at a time for a target, its tokenizer and a proposer."""
 
@@ -174,25 +121,8 @@ class Engine:
         return self.proposer.name
 
     def encode(self, prompt, chat: bool = True, tools: list | None = None) -> list[int]:
-        """A string (wrapped in the chat template when the tokenizer has one and ``chat``), a
-        list of {role, content} messages, or a list of token ids. ``tools`` (OpenAI function
-        tools) are passed to templates that render them."""
-        tok = self.tokenizer
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        if isinstance(prompt, str):
-            if not chat or not getattr(tok, "chat_template", None):
-                return tok(prompt, add_special_tokens=True).input_ids
-            prompt = [{"role": "user", "content": prompt}]
-        if not isinstance(prompt, (list, tuple)) or not prompt or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)
-                for m in prompt):
-            raise JakiroError("prompt must be a string, token ids, or a non-empty list of "
-                              "{'role': str, 'content': str} messages")
-        if not getattr(tok, "chat_template", None):
-            raise JakiroError("this tokenizer has no chat template: pass a plain string prompt")
-        text = tok.apply_chat_template(list(prompt), tools=tools, add_generation_prompt=True, tokenize=False)
-        return tok(text, add_special_tokens=False).input_ids
+        """The prompt's token ids (``text.render_prompt`` with this engine's tokenizer)."""
+        return render_prompt(self.tokenizer, prompt, chat, tools)
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -214,16 +144,6 @@ class Engine:
             if on_text is not None and delta:
                 on_text(delta)
 
-    def _tokens_before(self, generated: list[int], cut: int) -> int:
-        """The fewest leading tokens of ``generated`` whose text reaches character ``cut`` (where
-        a stop string starts): the token holding the stop string's first character is the last
-        one kept, or none when the stop string starts on a token boundary."""
-        keep = len(generated)
-        while keep > 0 and len(self.tokenizer.decode(
-                [t for t in generated[:keep - 1] if t not in self.eos_ids], skip_special_tokens=True)) >= cut:
-            keep -= 1
-        return keep
-
     @torch.inference_mode()
     def stream(self, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: list[str] | None = None, chat: bool = True) -> Iterator[str]:
@@ -234,67 +154,28 @@ class Engine:
             raise JakiroError("the prompt is empty")
         self.check_length(len(ids), max_new_tokens)
         generator = params.generator()
-        target, proposer = self.target, self.proposer
         metrics = Metrics(prompt_tokens=len(ids))
-        tracker = _TextTracker(self.tokenizer, stop or [])
+        tracker = TextTracker(self.tokenizer, stop or [])
         t_start = time.perf_counter()
-        cache = target.new_cache(len(ids) + max_new_tokens, scratch=proposer.max_tree_tokens)
-        proposer.start(len(ids) + max_new_tokens)
-        logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None))
-        cache.commit(len(ids))
-        first = next_token(logits[0], params, generator)
+        cache, first = self._prefill(ids, max_new_tokens, params, generator)
         metrics.prefill_s = time.perf_counter() - t_start
-        if proposer.needs_features:
-            proposer.observe(feats, torch.tensor(ids[1:] + [first]))
         context = list(ids)
         generated: list[int] = []
-        finish = None
-        pending, pending_sources = [first], [None]
         sources: list[str | None] = []  # per generated token: which proposal it was accepted from
+        pending: list[tuple[int, str | None]] = [(first, None)]
         while True:
-            # commit pending tokens one by one so that stop rules cut at the exact token
-            for tok, src in zip(pending, pending_sources):
-                generated.append(tok)
-                sources.append(src)
-                context.append(tok)
-                if tok in self.eos_ids:
-                    finish = "stop"
-                    break
-                if len(generated) >= max_new_tokens:
-                    finish = "length"
-                    break
+            finish = self._commit(pending, generated, sources, context, max_new_tokens)
             delta, cut = tracker.update([t for t in generated if t not in self.eos_ids])
             if delta:
                 yield delta
             if cut is not None:
                 finish = "stop"
-                kept = self._tokens_before(generated, cut)
+                kept = tracker.tokens_before(generated, cut, self.eos_ids)
                 del generated[kept:]  # token ids end where the text does
                 del sources[kept:]
             if finish:
                 break
-            t0 = time.perf_counter()
-            tree = proposer.propose(context)
-            t1 = time.perf_counter()
-            if tree.size > 1:
-                logits, feats = target(tree.tokens, cache, position_ids=cache.length + tree.depths,
-                                       tree_mask=tree.tree_mask)
-            else:
-                logits, feats = target(tree.tokens, cache)
-            verdict = _verify.verify(tree, logits, params, generator)
-            proposer.feedback(tree, verdict)
-            cache.keep(verdict.accepted)
-            t2 = time.perf_counter()
-            metrics.draft_s += t1 - t0
-            metrics.target_s += t2 - t1
-            metrics.target_forwards += 1
-            metrics.plain_steps += tree.size == 1
-            pending = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
-            pending_sources = ([_SOURCE_NAMES[s] for s in tree.sources[verdict.accepted[1:]].tolist()]
-                               if tree.sources is not None else [None] * verdict.accept_length) + [None]
-            metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
-            if proposer.needs_features:
-                proposer.observe(feats[verdict.accepted], torch.tensor(pending))
+            pending = self._cycle(context, cache, params, generator, metrics)
         tail = tracker.flush()
         if tail:
             yield tail
@@ -307,6 +188,61 @@ class Engine:
                 metrics.accepted_from[src] += 1
         metrics.total_s = time.perf_counter() - t_start
         return GenerationResult(tracker.text, generated, finish, metrics, self.method)
+
+    def _prefill(self, ids: list[int], max_new_tokens: int, params: SamplingParams, generator):
+        """The prompt's forward: a fresh KV cache holding it and the first new token."""
+        target, proposer = self.target, self.proposer
+        cache = target.new_cache(len(ids) + max_new_tokens, scratch=proposer.max_tree_tokens)
+        proposer.start(len(ids) + max_new_tokens)
+        logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None))
+        cache.commit(len(ids))
+        first = next_token(logits[0], params, generator)
+        if proposer.needs_features:
+            proposer.observe(feats, torch.tensor(ids[1:] + [first]))
+        return cache, first
+
+    def _commit(self, pending, generated: list[int], sources: list, context: list[int],
+                max_new_tokens: int) -> str | None:
+        """Commit (token, source) pairs one by one, so that EOS and the length limit cut at the
+        exact token; the finish reason, or None to go on."""
+        for tok, src in pending:
+            generated.append(tok)
+            sources.append(src)
+            context.append(tok)
+            if tok in self.eos_ids:
+                return "stop"
+            if len(generated) >= max_new_tokens:
+                return "length"
+        return None
+
+    def _cycle(self, context: list[int], cache, params: SamplingParams, generator,
+               metrics: Metrics) -> list[tuple[int, str | None]]:
+        """One draft -> verify cycle: the accepted tokens and the bonus token, with the proposal
+        each accepted token came from."""
+        target, proposer = self.target, self.proposer
+        t0 = time.perf_counter()
+        tree = proposer.propose(context)
+        t1 = time.perf_counter()
+        if tree.size > 1:
+            logits, feats = target(tree.tokens, cache, position_ids=cache.length + tree.depths,
+                                   tree_mask=tree.tree_mask)
+        else:
+            logits, feats = target(tree.tokens, cache)
+        verdict = _verify.verify(tree, logits, params, generator)
+        proposer.feedback(tree, verdict)
+        cache.keep(verdict.accepted)
+        t2 = time.perf_counter()
+        metrics.draft_s += t1 - t0
+        metrics.target_s += t2 - t1
+        metrics.target_forwards += 1
+        metrics.plain_steps += tree.size == 1
+        metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
+        tokens = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
+        if proposer.needs_features:
+            proposer.observe(feats[verdict.accepted], torch.tensor(tokens))
+        names = ([_SOURCE_NAMES[s] for s in tree.sources[verdict.accepted[1:]].tolist()]
+                 if tree.sources is not None else [None] * verdict.accept_length) + [None]
+        return list(zip(tokens, names))
 
 
 _SOURCE_NAMES = {DRAFT: "draft", LOOKUP: "lookup", DRAFT | LOOKUP: "both"}

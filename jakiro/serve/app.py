@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import Jakiro, load_tokenizer
-from ..decoding.engine import Engine
+from ..decoding.text import render_prompt
 from ..errors import JakiroError
 from . import protocol as P
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -49,137 +49,104 @@ def _host_name(host_header: str) -> str:
     return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
 
 
-def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = None,
-               max_queue: int = 16, default_max_tokens: int = 256, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
-               docs: bool = False) -> FastAPI:
-    """The app. ``api_key``: required as ``Authorization: Bearer KEY`` on /v1 routes.
-    ``allowed_hosts``: Host header names accepted (None: any), against DNS rebinding.
-    ``docs``: serve the interactive API docs (/docs, /redoc, /openapi.json)."""
-    engine = jk.engine(method)
-    name = model_name or served_name(jk.target_path)
-    # the HTTP side encodes prompts with its own tokenizer, on its own thread (off the event
-    # loop, never concurrently with itself): the engine thread uses the other one
-    encoder = Engine(jk.target, load_tokenizer(jk.target_path))
-    template = getattr(encoder.tokenizer, "chat_template", None) or ""
-    template_has_tools = isinstance(template, str) and "tool_calls" in template
-    cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jakiro-encode")
-    metrics = ServerMetrics()
-    scheduler = Scheduler(engine, max_queue, on_done=metrics.record, on_cancel=metrics.cancelled.inc)
-    metrics.track_queue(scheduler)
-    created = P.now()
+class _Service:
+    """What the routes share: the engine and its scheduler, the prompt tokenizer, the metrics and
+    the server's limits. Each route is one method; ``create_app`` wires them to FastAPI."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        scheduler.close()
-        cpu.shutdown(wait=False)
+    def __init__(self, jk: Jakiro, method: str | None, model_name: str | None, max_queue: int,
+                 default_max_tokens: int, api_key: str | None, max_body_bytes: int,
+                 allowed_hosts: list[str] | None):
+        self.jk, self.engine = jk, jk.engine(method)
+        self.name = model_name or served_name(jk.target_path)
+        self.default_max_tokens, self.api_key = default_max_tokens, api_key
+        self.max_body_bytes, self.allowed_hosts = max_body_bytes, allowed_hosts
+        # the HTTP side renders prompts with its own tokenizer, on its own thread (off the event
+        # loop, never concurrently with itself): the engine thread uses the other one
+        self.tokenizer = load_tokenizer(jk.target_path)
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        self.template_has_tools = isinstance(template, str) and "tool_calls" in template
+        self.cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jakiro-encode")
+        self.metrics = ServerMetrics()
+        self.scheduler = Scheduler(self.engine, max_queue, on_done=self.metrics.record,
+                                   on_cancel=self.metrics.cancelled.inc)
+        self.metrics.track_queue(self.scheduler)
+        self.created = P.now()
 
-    doc_routes = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="jakiro", description="OpenAI-compatible speculative decoding server", lifespan=lifespan,
-                  **doc_routes)
-    app.state.scheduler, app.state.metrics, app.state.engine = scheduler, metrics, engine
+    def close(self) -> None:
+        self.scheduler.close()
+        self.cpu.shutdown(wait=False)
 
-    def count(request: Request, status: int) -> None:
+    def count(self, request: Request, status: int) -> None:
         if request.url.path in GENERATION_PATHS:
-            metrics.requests.labels(request.url.path, str(status)).inc()
+            self.metrics.requests.labels(request.url.path, str(status)).inc()
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """Checks that need no body: Host, API key, media type and declared size."""
-        error = None
+    # ------------------------------------------------------------------ checks without a body
+    def refusal(self, request: Request) -> P.APIError | None:
+        """Host, API key, media type and declared size."""
         host = _host_name(request.headers.get("host", ""))
-        if allowed_hosts is not None and host not in allowed_hosts:
-            error = P.APIError(400, "this server does not answer for that Host header", None, "invalid_host")
-        elif api_key and request.url.path.startswith("/v1/") and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
-            error = P.APIError(401, "a valid API key is required (Authorization: Bearer ...)", None,
-                               "invalid_api_key", type="authentication_error")
-        elif request.method == "POST" and request.url.path in GENERATION_PATHS:
+        if self.allowed_hosts is not None and host not in self.allowed_hosts:
+            return P.APIError(400, "this server does not answer for that Host header", None, "invalid_host")
+        if self.api_key and request.url.path.startswith("/v1/") and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(), f"Bearer {self.api_key}".encode()):
+            return P.APIError(401, "a valid API key is required (Authorization: Bearer ...)", None,
+                              "invalid_api_key", type="authentication_error")
+        if request.method == "POST" and request.url.path in GENERATION_PATHS:
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             length = request.headers.get("content-length")
             if ctype != "application/json":
                 # also what keeps a page on another origin from posting here without a CORS preflight
-                error = P.APIError(415, "the request body must be sent as Content-Type: application/json",
-                                   None, "unsupported_media_type")
-            elif length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-                error = P.APIError(413, f"the request body is larger than this server's limit "
-                                   f"({max_body_bytes} bytes)", None, "request_too_large")
-        if error is not None:
-            count(request, error.status)
-            return _error(error)
-        return await call_next(request)
+                return P.APIError(415, "the request body must be sent as Content-Type: application/json",
+                                  None, "unsupported_media_type")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+                return P.APIError(413, f"the request body is larger than this server's limit "
+                                  f"({self.max_body_bytes} bytes)", None, "request_too_large")
+        return None
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        code = "not_found" if exc.status_code == 404 else None
-        count(request, exc.status_code)
-        return JSONResponse(P.APIError(exc.status_code, str(exc.detail), None, code).body(),
-                            status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        count(request, 500)
-        return JSONResponse(P.APIError(500, f"internal error: {type(exc).__name__}", type="server_error").body(),
-                            status_code=500)
-
-    @app.get("/health")
-    async def health():
-        ok = scheduler.alive
-        body = {"status": "ok" if ok else "engine stopped", "model": name, "method": engine.method,
-                "waiting": scheduler.waiting, "max_queue": scheduler.max_queue, "busy": scheduler.busy}
+    # ------------------------------------------------------------------ read-only routes
+    def health(self) -> JSONResponse:
+        ok = self.scheduler.alive
+        body = {"status": "ok" if ok else "engine stopped", "model": self.name, "method": self.engine.method,
+                "waiting": self.scheduler.waiting, "max_queue": self.scheduler.max_queue,
+                "busy": self.scheduler.busy}
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "jakiro",
+                "method": self.engine.method, "max_context": self.jk.target.config.max_context}
 
-    def model_card() -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "jakiro",
-                "method": engine.method, "max_context": jk.target.config.max_context}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != name:
-            return _error(P.APIError(404, f"the model '{P.clip(model_id)}' does not exist", "model",
-                                     "model_not_found"))
-        return model_card()
-
-    async def read_body(request: Request) -> bytes:
+    # ------------------------------------------------------------------ requests
+    async def read_body(self, request: Request) -> bytes:
         """The body, refused with 413 as soon as it passes the limit (chunked bodies included)."""
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_body_bytes:
-                raise P.APIError(413, f"the request body is larger than this server's limit ({max_body_bytes} "
-                                 "bytes)", None, "request_too_large")
+            if size > self.max_body_bytes:
+                raise P.APIError(413, f"the request body is larger than this server's limit "
+                                 f"({self.max_body_bytes} bytes)", None, "request_too_large")
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def parse_and_prepare(raw: bytes, kind: str, param: str) -> tuple[P.GenRequest, list[int], int]:
+    def parse_and_prepare(self, raw: bytes, kind: str, param: str) -> tuple[P.GenRequest, list[int], int]:
         """JSON parsing, validation and tokenisation: CPU work, run on the encoder thread."""
         body = P.parse_body(raw)
-        req = P.parse_chat(body, [name]) if kind == "chat" else P.parse_completion(body, [name])
-        return (req, *prepare(req, param))
+        req = P.parse_chat(body, [self.name]) if kind == "chat" else P.parse_completion(body, [self.name])
+        return (req, *self.prepare(req, param))
 
-    def prepare(req: P.GenRequest, param: str) -> tuple[list[int], int]:
+    def prepare(self, req: P.GenRequest, param: str) -> tuple[list[int], int]:
         prompt, tools = req.prompt, None
         if req.kind == "chat":
-            prompt, tools = P.render_tools(req.prompt, req.tools, template_has_tools)
+            prompt, tools = P.render_tools(req.prompt, req.tools, self.template_has_tools)
         try:
-            ids = encoder.encode(prompt, chat=req.kind == "chat", tools=tools)
+            ids = render_prompt(self.tokenizer, prompt, chat=req.kind == "chat", tools=tools)
         except JakiroError as exc:
             raise P.bad(str(exc), param) from None
         if not ids:
             raise P.bad("the prompt is empty", param)
-        if max(ids) >= jk.target.config.vocab_size:
-            raise P.bad(f"token id {max(ids)} is outside the vocabulary ({jk.target.config.vocab_size})", param)
-        ctx = jk.target.config.max_context
-        max_tokens = req.max_tokens if req.max_tokens is not None else min(default_max_tokens, ctx - len(ids))
+        cfg = self.jk.target.config
+        if max(ids) >= cfg.vocab_size:
+            raise P.bad(f"token id {max(ids)} is outside the vocabulary ({cfg.vocab_size})", param)
+        ctx = cfg.max_context
+        max_tokens = req.max_tokens if req.max_tokens is not None else min(self.default_max_tokens, ctx - len(ids))
         if len(ids) + max(1, max_tokens) > ctx:
             asked = f"{max_tokens} completion tokens" if req.max_tokens is not None else "at least 1 completion token"
             raise P.APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has "
@@ -187,66 +154,60 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
                              "max_tokens" if req.max_tokens is not None else param, "context_length_exceeded")
         return ids, max_tokens
 
-    async def next_event(job: Job, request: Request):
-        while True:
-            try:
-                return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise _ClientGone() from None
-
-    async def handle(request: Request, kind: str, endpoint: str):
+    async def handle(self, request: Request, kind: str, endpoint: str):
         param = "messages" if kind == "chat" else "prompt"
         loop = asyncio.get_running_loop()
+        requests = self.metrics.requests
         try:
-            raw = await read_body(request)
-            req, ids, max_tokens = await loop.run_in_executor(cpu, parse_and_prepare, raw, kind, param)
+            raw = await self.read_body(request)
+            req, ids, max_tokens = await loop.run_in_executor(self.cpu, self.parse_and_prepare, raw, kind, param)
             job = Job(ids, max_tokens, req.sampling, req.stop, loop, req.stream)
             try:
-                scheduler.submit(job)
+                self.scheduler.submit(job)
             except QueueFull:
-                raise P.APIError(429, f"the server is busy ({scheduler.waiting} requests waiting for the "
+                raise P.APIError(429, f"the server is busy ({self.scheduler.waiting} requests waiting for the "
                                  "engine); retry later", None, "rate_limit_exceeded",
                                  type="rate_limit_error") from None
         except P.APIError as exc:
-            metrics.requests.labels(endpoint, str(exc.status)).inc()
+            requests.labels(endpoint, str(exc.status)).inc()
             response = _error(exc)
             if exc.status == 429:
                 response.headers["Retry-After"] = "1"
             return response
         rid, stamp = P.new_id(kind), P.now()
         if req.stream:
-            return StreamingResponse(sse(job, req, rid, stamp, request, endpoint), media_type="text/event-stream",
+            return StreamingResponse(self.sse(job, req, rid, stamp, request, endpoint),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             while True:
-                kind_, value = await next_event(job, request)
+                kind_, value = await _next_event(job, request)
                 if kind_ == "done":
-                    metrics.requests.labels(endpoint, "200").inc()
+                    requests.labels(endpoint, "200").inc()
                     return P.response(req, rid, stamp, value)
                 if kind_ == "error":
                     exc = _failure(value)
-                    metrics.requests.labels(endpoint, str(exc.status)).inc()
+                    requests.labels(endpoint, str(exc.status)).inc()
                     return _error(exc)
                 if kind_ == "cancelled":
                     raise _ClientGone()
         except _ClientGone:
-            metrics.requests.labels(endpoint, "499").inc()
+            requests.labels(endpoint, "499").inc()
             return Response(status_code=499)
         except asyncio.CancelledError:
-            metrics.requests.labels(endpoint, "499").inc()
+            requests.labels(endpoint, "499").inc()
             raise
         finally:
             job.cancel()  # no-op once done; frees the engine if the client went away
 
-    async def sse(job: Job, req: P.GenRequest, rid: str, stamp: int, request: Request, endpoint: str):
+    async def sse(self, job: Job, req: P.GenRequest, rid: str, stamp: int, request: Request, endpoint: str):
         status = "499"
         try:
             if req.kind == "chat":
                 yield _event(P.chunk(req, rid, stamp, first=True))
             last_check = time.monotonic()
             while True:
-                kind_, value = await next_event(job, request)
+                kind_, value = await _next_event(job, request)
                 if time.monotonic() - last_check > DISCONNECT_POLL_S:
                     last_check = time.monotonic()
                     if await request.is_disconnected():
@@ -272,15 +233,84 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
             return
         finally:
             job.cancel()
-            metrics.requests.labels(endpoint, status).inc()
+            self.metrics.requests.labels(endpoint, status).inc()
+
+
+async def _next_event(job: Job, request: Request):
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise _ClientGone() from None
+
+
+def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = None,
+               max_queue: int = 16, default_max_tokens: int = 256, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
+               docs: bool = False) -> FastAPI:
+    """The app. ``api_key``: required as ``Authorization: Bearer KEY`` on /v1 routes.
+    ``allowed_hosts``: Host header names accepted (None: any), against DNS rebinding.
+    ``docs``: serve the interactive API docs (/docs, /redoc, /openapi.json)."""
+    svc = _Service(jk, method, model_name, max_queue, default_max_tokens, api_key, max_body_bytes, allowed_hosts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        svc.close()
+
+    doc_routes = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="jakiro", description="OpenAI-compatible speculative decoding server", lifespan=lifespan,
+                  **doc_routes)
+    app.state.scheduler, app.state.metrics, app.state.engine = svc.scheduler, svc.metrics, svc.engine
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        error = svc.refusal(request)
+        if error is not None:
+            svc.count(request, error.status)
+            return _error(error)
+        return await call_next(request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        svc.count(request, exc.status_code)
+        return JSONResponse(P.APIError(exc.status_code, str(exc.detail), None, code).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        svc.count(request, 500)
+        return JSONResponse(P.APIError(500, f"internal error: {type(exc).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return svc.health()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [svc.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != svc.name:
+            return _error(P.APIError(404, f"the model '{P.clip(model_id)}' does not exist", "model",
+                                     "model_not_found"))
+        return svc.model_card()
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await handle(request, "chat", "/v1/chat/completions")
+        return await svc.handle(request, "chat", "/v1/chat/completions")
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await handle(request, "completion", "/v1/completions")
+        return await svc.handle(request, "completion", "/v1/completions")
 
     return app
 
