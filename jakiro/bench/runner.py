@@ -79,9 +79,9 @@ class _HFRunner:
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    from tqdm import tqdm
-
-    from ..api import load, tree_budget
+    """Answer every selected question with every method (resuming an interrupted run in
+    ``cfg.out``), then write the answers, summary.json, summary.md and the plots."""
+    from ..api import load
 
     for m in cfg.methods:
         if m not in KNOWN:
@@ -91,59 +91,77 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)
     os.makedirs(cfg.out, exist_ok=True)
     records, done = _resume(cfg, questions)
-    jk = load(cfg.target, cache_dir=cfg.cache_dir)
-    budget = tree_budget(cfg.depth, cfg.tree_top_k, cfg.total_tokens)  # None: tuned or default tree
-    engines = {}
-    for m in cfg.methods:
-        if m in HF_METHODS:
-            continue
-        method, options = VARIANTS.get(m, (m, {}))
-        if "tree" in options:
-            options = dict(options, tree=cfg.static_tree)
-        draft = cfg.drafts.get(m) or cfg.drafts.get(method.removesuffix("+pld"))
-        engines[m] = jk.add_method(method, draft, budget, cache_dir=cfg.cache_dir, **options)
-    hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
-    eos = engines["ar"].eos_ids
-    from ..decoding.sampling import SamplingParams
+    answerer = _Answerer(cfg, load(cfg.target, cache_dir=cfg.cache_dir))
+    for m in cfg.methods:  # warm-up: one short answer per method, not recorded
+        for _ in range(cfg.warmup):
+            answerer(m, [{"role": "user", "content": "Say hello."}], 0)
+    _answer_all(cfg, questions, records, done, answerer, progress)
+    return _write_results(cfg, questions, records)
 
-    def answer(m: str, messages: list[dict], seed: int) -> dict:
-        ids = engines["ar"].encode(messages)
+
+class _Answerer:
+    """One engine per benchmarked method on the shared target (and Hugging Face ``generate``
+    for the hf methods); ``answerer(method, messages, seed)`` -> one answer record."""
+
+    def __init__(self, cfg: BenchConfig, jk):
+        from ..api import tree_budget
+        self.cfg, self.jk = cfg, jk
+        budget = tree_budget(cfg.depth, cfg.tree_top_k, cfg.total_tokens)  # None: tuned or default tree
+        self.engines = {}
+        for m in cfg.methods:
+            if m in HF_METHODS:
+                continue
+            method, options = VARIANTS.get(m, (m, {}))
+            if "tree" in options:
+                options = dict(options, tree=cfg.static_tree)
+            draft = cfg.drafts.get(m) or cfg.drafts.get(method.removesuffix("+pld"))
+            self.engines[m] = jk.add_method(method, draft, budget, cache_dir=cfg.cache_dir, **options)
+        self.hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
+
+    def __call__(self, m: str, messages: list[dict], seed: int) -> dict:
+        from ..decoding.sampling import SamplingParams
+        cfg, ar = self.cfg, self.engines["ar"]
+        ids = ar.encode(messages)
         if m in HF_METHODS:
-            toks, secs = hf.generate(ids, cfg.max_new_tokens, cfg.temperature, seed, m == "hf-pld", eos)
-            text = jk.tokenizer.decode(toks, skip_special_tokens=True)
+            toks, secs = self.hf.generate(ids, cfg.max_new_tokens, cfg.temperature, seed, m == "hf-pld", ar.eos_ids)
+            text = self.jk.tokenizer.decode(toks, skip_special_tokens=True)
             return {"text": text, "token_ids": toks, "new_tokens": len(toks), "total_s": secs}
-        res = engines[m].generate(ids, cfg.max_new_tokens, SamplingParams(cfg.temperature, seed=seed))
+        res = self.engines[m].generate(ids, cfg.max_new_tokens, SamplingParams(cfg.temperature, seed=seed))
         d = res.metrics.as_dict()
         d.update(text=res.text, token_ids=res.token_ids)
         return d
 
-    # warm-up: one short answer per method, not recorded
-    for m in cfg.methods:
-        for _ in range(cfg.warmup):
-            answer(m, [{"role": "user", "content": "Say hello."}], 0)
+
+def _answer_all(cfg: BenchConfig, questions: list[dict], records: dict, done: set, answerer: _Answerer,
+                progress: bool) -> None:
+    """Methods interleaved per turn, so that machine drift cancels; each finished question is
+    appended to progress.jsonl (the unit of resuming)."""
+    from tqdm import tqdm
     bar = tqdm(total=len(questions) * len(cfg.methods), initial=len(done) * len(cfg.methods),
                desc="bench", disable=not progress)
-    progress_file = open(os.path.join(cfg.out, PROGRESS), "a")
-    for qi, q in enumerate(questions):
-        if q["question_id"] in done:
-            continue
-        histories = {m: [] for m in cfg.methods}
-        turns_out = {m: [] for m in cfg.methods}
-        for turn_i, turn in enumerate(q["turns"]):
-            for m in cfg.methods:  # interleaved per turn
-                messages = histories[m] + [{"role": "user", "content": turn}]
-                rec = answer(m, messages, cfg.seed + 1000 * qi + turn_i)
-                histories[m] = messages + [{"role": "assistant", "content": rec["text"]}]
-                turns_out[m].append(rec)
-        row = {m: {"question_id": q["question_id"], "category": q["category"], "turns": turns_out[m]}
-               for m in cfg.methods}
-        progress_file.write(json.dumps(row) + "\n")
-        progress_file.flush()
-        for m in cfg.methods:
-            records[m].append(row[m])
-            bar.update(1)
-    progress_file.close()
+    with open(os.path.join(cfg.out, PROGRESS), "a") as progress_file:
+        for qi, q in enumerate(questions):
+            if q["question_id"] in done:
+                continue
+            histories = {m: [] for m in cfg.methods}
+            turns_out = {m: [] for m in cfg.methods}
+            for turn_i, turn in enumerate(q["turns"]):
+                for m in cfg.methods:
+                    messages = histories[m] + [{"role": "user", "content": turn}]
+                    rec = answerer(m, messages, cfg.seed + 1000 * qi + turn_i)
+                    histories[m] = messages + [{"role": "assistant", "content": rec["text"]}]
+                    turns_out[m].append(rec)
+            row = {m: {"question_id": q["question_id"], "category": q["category"], "turns": turns_out[m]}
+                   for m in cfg.methods}
+            progress_file.write(json.dumps(row) + "\n")
+            progress_file.flush()
+            for m in cfg.methods:
+                records[m].append(row[m])
+                bar.update(1)
     bar.close()
+
+
+def _write_results(cfg: BenchConfig, questions: list[dict], records: dict) -> dict:
     order = {q["question_id"]: i for i, q in enumerate(questions)}
     for rows in records.values():
         rows.sort(key=lambda r: order[r["question_id"]])
