@@ -41,74 +41,90 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
 
     from ..api import load
     from ..decoding.costs import forward_costs
-    from ..decoding.engine import Engine
-    from ..decoding.proposers import DraftProposer, TreeBudget
     from ..draft.checkpoint import read_draft_config
 
     method = read_draft_config(draft).method
     jk = load(target, draft, method, cache_dir=cache, depth=4, top_k=4, total_tokens=8)  # untuned
     base = jk.engine(method)
     prompts_ids = [base.encode(p) for p in (prompts or CALIBRATION)]
-    model = base.proposer.draft
-    vocab = model.config.draft_vocab_size
-    path = tuning_path(draft, cache)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    result = {"draft": os.path.abspath(draft), "method": method, "threads": torch.get_num_threads(),
-              "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False, "grid": []}
-    grid = result["grid"]
-
-    def save(best: dict | None = None) -> None:
-        if best is None and grid:
-            best = max(grid, key=lambda r: (r.get("round", 0), r["tokens_per_s"]))
-        if best is not None:
-            result["best"] = dict(best, draft_vocab=best.get("draft_vocab") or vocab)
-            with open(path + ".tmp", "w") as f:
-                json.dump(result, f, indent=2)
-            os.replace(path + ".tmp", path)
-
-    def engine_for(row: dict) -> Engine:  # every configuration shares the one loaded draft
-        proposer = DraftProposer(model, TreeBudget(row["depth"], row["top_k"], row["total_tokens"]),
-                                 parallel_decoding=row.get("parallel_decoding"), head_vocab=row.get("draft_vocab"))
-        return Engine(jk.target, jk.tokenizer, proposer)
-
-    def measure(row: dict, prompts_: list[list[int]], tokens: int, round_: int, bar) -> dict:
-        tps, tau = _measure(engine_for(row), prompts_, tokens)
-        out = dict({k: v for k, v in row.items() if k not in ("tokens_per_s", "tau", "round")},
-                   tokens_per_s=tps, tau=tau, round=round_)
-        grid[:] = [r for r in grid if _tree_key(r) != _tree_key(out)] + [out]
-        save()
-        bar.update(1)
-        bar.set_postfix(best=_describe(max(grid, key=lambda r: (r["round"], r["tokens_per_s"]))))
-        return out
-
-    # Jakiro drafts: the last tree layer from the contrastive branch (one draft forward less) or not
-    parallel = [True, False] if method == "jakiro" and model.config.parallel_decoding else [None]
-    configs = [dict(depth=d, top_k=k, total_tokens=n, **({} if p is None else {"parallel_decoding": p}))
-               for d, k, n in CHAINS + TREES for p in parallel]
+    tuning = _Tuning(jk, base.proposer.draft, draft, method, cache)
+    configs = tuning.grid_configs()
     survivors = min(len(configs), max(SURVIVORS, FINALISTS))
-    bar = tqdm(total=len(configs) + survivors + (2 if vocab else 0), desc="tune", disable=not progress)
+    vocab = tuning.vocab
+    tuning.bar = bar = tqdm(total=len(configs) + survivors + (2 if vocab else 0), desc="tune", disable=not progress)
+    result = tuning.result
     try:
         costs = forward_costs(jk.target, 256, repeats=5, sizes=(1, 2, 4, 8, 16, 32))
         result["forward_ms"] = {str(k): v for k, v in costs.items()}
         result["ar_tokens_per_s"], _ = _measure(jk.engine("ar"), prompts_ids, max_new_tokens)
-        screened = [measure(row, prompts_ids[:1], min(SCREEN_TOKENS, max_new_tokens), 1, bar) for row in configs]
+        screened = [tuning.measure(row, prompts_ids[:1], min(SCREEN_TOKENS, max_new_tokens), 1) for row in configs]
         screened.sort(key=lambda r: r["tokens_per_s"], reverse=True)
-        finals = [measure(row, prompts_ids, max_new_tokens, 2, bar) for row in screened[:survivors]]
+        finals = [tuning.measure(row, prompts_ids, max_new_tokens, 2) for row in screened[:survivors]]
         best = max(finals, key=lambda r: r["tokens_per_s"])
         if vocab:
             for size in (vocab // 4, vocab // 2):
-                finals.append(measure(dict(best, draft_vocab=size), prompts_ids, max_new_tokens, 2, bar))
+                finals.append(tuning.measure(dict(best, draft_vocab=size), prompts_ids, max_new_tokens, 2))
         bar.close()
         finalists = sorted(finals, key=lambda r: r["tokens_per_s"], reverse=True)[:FINALISTS]
-        speedups = _side_by_side(jk.engine("ar"), [engine_for(r) for r in finalists], prompts_ids, max_new_tokens)
+        speedups = _side_by_side(jk.engine("ar"), [tuning.engine_for(r) for r in finalists], prompts_ids,
+                                 max_new_tokens)
         i = max(range(len(finalists)), key=speedups.__getitem__)
         result["complete"] = True
-        save(dict(finalists[i], speedup=speedups[i]))
+        tuning.save(dict(finalists[i], speedup=speedups[i]))
     except KeyboardInterrupt:
         bar.close()
         result["interrupted"] = True
-    result["saved_to"] = path if os.path.exists(path) and "best" in result else None
+    result["saved_to"] = tuning.path if os.path.exists(tuning.path) and "best" in result else None
     return result
+
+
+class _Tuning:
+    """The record being measured: every configuration shares the one loaded draft; each
+    measurement replaces its tree's row and saves the best so far."""
+
+    def __init__(self, jk, model, draft: str, method: str, cache: str | None):
+        self.jk, self.model, self.method = jk, model, method
+        self.vocab = model.config.draft_vocab_size
+        self.path = tuning_path(draft, cache)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self.result = {"draft": os.path.abspath(draft), "method": method, "threads": torch.get_num_threads(),
+                       "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False, "grid": []}
+        self.grid = self.result["grid"]
+        self.bar = None
+
+    def grid_configs(self) -> list[dict]:
+        # Jakiro drafts: the last tree layer from the contrastive branch (one draft forward less) or not
+        parallel = [True, False] if self.method == "jakiro" and self.model.config.parallel_decoding else [None]
+        return [dict(depth=d, top_k=k, total_tokens=n, **({} if p is None else {"parallel_decoding": p}))
+                for d, k, n in CHAINS + TREES for p in parallel]
+
+    def save(self, best: dict | None = None) -> None:
+        grid = self.grid
+        if best is None and grid:
+            best = max(grid, key=lambda r: (r.get("round", 0), r["tokens_per_s"]))
+        if best is not None:
+            self.result["best"] = dict(best, draft_vocab=best.get("draft_vocab") or self.vocab)
+            with open(self.path + ".tmp", "w") as f:
+                json.dump(self.result, f, indent=2)
+            os.replace(self.path + ".tmp", self.path)
+
+    def engine_for(self, row: dict):
+        from ..decoding.engine import Engine
+        from ..decoding.proposers import DraftProposer, TreeBudget
+        proposer = DraftProposer(self.model, TreeBudget(row["depth"], row["top_k"], row["total_tokens"]),
+                                 parallel_decoding=row.get("parallel_decoding"), head_vocab=row.get("draft_vocab"))
+        return Engine(self.jk.target, self.jk.tokenizer, proposer)
+
+    def measure(self, row: dict, prompts_: list[list[int]], tokens: int, round_: int) -> dict:
+        tps, tau = _measure(self.engine_for(row), prompts_, tokens)
+        out = dict({k: v for k, v in row.items() if k not in ("tokens_per_s", "tau", "round")},
+                   tokens_per_s=tps, tau=tau, round=round_)
+        self.grid[:] = [r for r in self.grid if _tree_key(r) != _tree_key(out)] + [out]
+        self.save()
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(best=_describe(max(self.grid, key=lambda r: (r["round"], r["tokens_per_s"]))))
+        return out
 
 
 def _side_by_side(plain, engines: list, prompts_ids: list[list[int]], max_new_tokens: int) -> list[float]:

@@ -81,6 +81,34 @@ def _head_size(draft, limit: int | None) -> int:
     return limit or cfg.draft_vocab_size or cfg.vocab_size
 
 
+class _Candidates:
+    """Draft tree candidates in creation order: token, cumulative score, parent candidate id."""
+
+    def __init__(self):
+        self.tokens, self.scores, self.parents = [], [], []
+        self.n = 0
+
+    def add(self, tokens: torch.Tensor, scores: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """[F, k] children of F parents (ids [F]); returns their candidate ids [F, k]."""
+        f, k = tokens.shape
+        self.tokens.append(tokens.flatten())
+        self.scores.append(scores.flatten())
+        self.parents.append(parents.unsqueeze(1).expand(f, k).flatten())
+        ids = torch.arange(self.n, self.n + f * k).view(f, k)
+        self.n += f * k
+        return ids
+
+    def tree(self, root_token: int, total_tokens: int) -> Tree:
+        """The ``total_tokens`` best-scored candidates (with their ancestors) under the root."""
+        all_scores = torch.cat(self.scores)
+        kept, parents = select_nodes(all_scores, torch.cat(self.parents), total_tokens)
+        tokens = torch.cat((torch.tensor([root_token]), torch.cat(self.tokens)[kept]))
+        tree = build_tree(tokens, torch.cat((torch.tensor([-1]), parents)))
+        tree.scores = torch.cat((torch.zeros(1), all_scores[kept]))
+        tree.sources = torch.tensor([0] + [DRAFT] * (tree.size - 1))
+        return tree
+
+
 class DraftProposer(Proposer):
     """EAGLE-2 dynamic tree from a draft model; with a Jakiro draft, candidates come from the
     activated experts (``decoupled``) or from their blend (``blended``), and with parallel
@@ -162,79 +190,64 @@ class DraftProposer(Proposer):
     def propose(self, context: list[int], depth: int | None = None) -> Tree:
         """The EAGLE-2 tree of the budget, or of ``depth`` draft layers when given (<= the
         budget's depth: the draft's scratch cache is sized for it). Node scores are attached."""
-        draft, cache, budget = self.draft, self.cache, self.budget
-        depth = budget.depth if depth is None else min(depth, budget.depth)
-        k = budget.top_k
+        depth = self.budget.depth if depth is None else min(depth, self.budget.depth)
+        out, m = self._catch_up()
+        base = self.cache.length  # = position of the root token
+        if self.static is not None:
+            return self._propose_static(context, out, m, base)
+        return self._propose_dynamic(context, out, m, base, depth)
+
+    def _catch_up(self):
+        """One draft forward over the (feature, next token) pairs committed since the last cycle,
+        kept in the draft's cache; returns its output and the number of pairs."""
         feats = torch.cat([f for f, _ in self._pending])
         toks = torch.cat([t for _, t in self._pending])
         self._pending = []
-        base = cache.length
-        m = feats.shape[0]
-        out = draft(feats.unsqueeze(0), toks.unsqueeze(0), torch.arange(base, base + m), cache)
-        cache.commit(m)
+        base, m = self.cache.length, feats.shape[0]
+        out = self.draft(feats.unsqueeze(0), toks.unsqueeze(0), torch.arange(base, base + m), self.cache)
+        self.cache.commit(m)
         self.draft_forwards += 1
-        base = cache.length  # = position of the root token
-        if self.static is not None:
-            return self._propose_static(context, out, m, base)
+        return out, m
 
-        # candidate arrays (creation order); parent -1 = root
-        cand_tokens, cand_scores, cand_parents = [], [], []
-        n_cand = 0
+    def _propose_dynamic(self, context: list[int], out, m: int, base: int, depth: int) -> Tree:
+        """Expand the top_k frontier layer by layer (one draft forward per layer, the last layer
+        from the contrastive branch with parallel decoding), then keep the best-scored nodes."""
+        k, cache = self.budget.top_k, self.cache
+        cands = _Candidates()
         rows = torch.tensor([m - 1])  # forwarded rows of the current frontier in `out`
-        front_ids = torch.tensor([-1])  # their candidate ids
+        front_ids = torch.tensor([-1])  # their candidate ids (-1 = the root)
         front_scores = torch.zeros(1)
-        slot_rows = torch.zeros(1, depth * k, dtype=torch.bool)  # draft scratch slots seen
+        slot_rows = torch.zeros(1, depth * k, dtype=torch.bool)  # draft scratch slots each frontier node sees
         n_slots = 0
         normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
         for layer in range(normal_layers):
             tokens, logp, carried = self._children(out, rows, k)  # [F, k]
-            F_ = tokens.shape[0]
             scores = front_scores.unsqueeze(1) + logp
-            ids = torch.arange(n_cand, n_cand + F_ * k).view(F_, k)
-            cand_tokens.append(tokens.flatten())
-            cand_scores.append(scores.flatten())
-            cand_parents.append(front_ids.unsqueeze(1).expand(F_, k).flatten())
-            n_cand += F_ * k
+            ids = cands.add(tokens, scores, front_ids)
             if layer == normal_layers - 1:
                 if self.parallel and depth >= 2:  # last layer from the contrastive branch of the same forward,
                     # hung under the best child of the node whose forward produced it
                     con_tokens, con_logp = self._contrastive_children(out, rows, k)
-                    best = scores.argmax(1)
-                    best_ids = ids.gather(1, best.unsqueeze(1)).squeeze(1)
-                    best_scores = scores.gather(1, best.unsqueeze(1)).squeeze(1)
-                    cand_tokens.append(con_tokens.flatten())
-                    cand_scores.append((best_scores.unsqueeze(1) + con_logp).flatten())
-                    cand_parents.append(best_ids.unsqueeze(1).expand(F_, k).flatten())
-                    n_cand += F_ * k
+                    best = scores.argmax(1, keepdim=True)
+                    cands.add(con_tokens, scores.gather(1, best) + con_logp, ids.gather(1, best).squeeze(1))
                 break
             # next frontier: the top_k children of this layer by cumulative score
             flat_scores = scores.flatten()
             pick = torch.topk(flat_scores, min(k, flat_scores.shape[0])).indices
-            parent_local = pick // k
-            new_rows = slot_rows[parent_local].clone()
-            own = torch.arange(n_slots, n_slots + pick.shape[0])
-            new_rows[torch.arange(pick.shape[0]), own] = True
+            new_rows = slot_rows[pick // k].clone()
+            new_rows[torch.arange(pick.shape[0]), torch.arange(n_slots, n_slots + pick.shape[0])] = True
             n_slots += pick.shape[0]
             attn = torch.cat((torch.ones(pick.shape[0], base, dtype=torch.bool), new_rows[:, :n_slots]), 1)
             in_feats = carried.reshape(-1, carried.shape[-1])[pick]
-            in_tokens = tokens.flatten()[pick]
             # the pair (f_t, x_{t+1}) for a node at depth layer+1 sits at position base + layer
-            out = draft(in_feats.unsqueeze(0), in_tokens.unsqueeze(0),
-                        torch.full((pick.shape[0],), base + layer), cache, attn)
+            out = self.draft(in_feats.unsqueeze(0), tokens.flatten()[pick].unsqueeze(0),
+                             torch.full((pick.shape[0],), base + layer), cache, attn)
             cache.commit(pick.shape[0])
             self.draft_forwards += 1
             rows = torch.arange(pick.shape[0])
-            front_ids = ids.flatten()[pick]
-            front_scores = flat_scores[pick]
-            slot_rows = new_rows
+            front_ids, front_scores, slot_rows = ids.flatten()[pick], flat_scores[pick], new_rows
         cache.truncate(base)
-        all_scores = torch.cat(cand_scores)
-        kept, parents = select_nodes(all_scores, torch.cat(cand_parents), budget.total_tokens)
-        tokens = torch.cat((torch.tensor([context[-1]]), torch.cat(cand_tokens)[kept]))
-        tree = build_tree(tokens, torch.cat((torch.tensor([-1]), parents)))
-        tree.scores = torch.cat((torch.zeros(1), all_scores[kept]))
-        tree.sources = torch.tensor([0] + [DRAFT] * (tree.size - 1))
-        return tree
+        return cands.tree(context[-1], self.budget.total_tokens)
 
     def _propose_static(self, context: list[int], out, m: int, base: int) -> Tree:
         """Fill the static tree level by level: the children of all nodes at one level come from
