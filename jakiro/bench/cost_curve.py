@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..decoding.costs import forward_costs, median_ms
+from ..models import smallgemm
 
 PROMPT = "Write a detailed, step by step explanation of how a refrigerator keeps food cold."
 
@@ -20,9 +21,9 @@ def weight_bytes(target) -> int:
     total = target.norm.numel()  # the embedding is only gathered from: one row per token
     for layer in target.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            total += lin.weight_t.numel() + (lin.bias.numel() if lin.bias is not None else 0)
+            total += lin.numel
         total += layer.input_norm.numel() + layer.post_norm.numel()
-    total += target.lm_head.weight_t.numel()
+    total += target.lm_head.numel
     return total * target.embed.element_size()
 
 
@@ -108,6 +109,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
     return {
         "target": jk.target_path,
         "threads": torch.get_num_threads(),
+        "small_batch_kernel": smallgemm.status(),
         "context": context,
         "weights_mb": round(nbytes / 1e6, 1),
         "memory_floor_ms": round(floor, 2),

@@ -1,6 +1,7 @@
 """The tree chosen by ``jakiro tune`` for a draft on this machine: one record per draft weights
 (by content, so a copied or moved draft keeps it and retrained weights do not) and thread count
-(a tree measured with two threads is not the best with one)."""
+(a tree measured with two threads is not the best with one) and linear kernel (the best tree
+depends on what a tree forward costs)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ def weights_digest(draft: str) -> str:
 
 
 def tuning_path(draft: str, cache: str | None = None, threads: int | None = None) -> str:
+    from ..models import smallgemm
     threads = threads or torch.get_num_threads()
-    return os.path.join(cache_dir(cache), "tuning", f"{weights_digest(draft)}-{threads}threads.json")
+    kernel = "smallgemm" if smallgemm.available() else "torch"
+    return os.path.join(cache_dir(cache), "tuning", f"{weights_digest(draft)}-{threads}threads-{kernel}.json")
 
 
 def load_tuning(draft: str, cache: str | None = None) -> dict | None:

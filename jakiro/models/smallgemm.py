@@ -1,0 +1,79 @@
+"""The small-batch linear kernel (``csrc/smallgemm.cpp``): y = x @ W^T for the 1-32 rows of a
+decoding step, a verification tree or a draft step, streaming each weight once.
+
+Built on first use (and by ``setup.sh``) with the machine's C++ compiler for its own CPU, cached
+under the jakiro cache folder. Where it cannot be built (no compiler, no ninja) or where
+``JAKIRO_NO_EXT=1``, the runtime says so once and uses torch's kernels: results stay within
+float32 rounding of each other (the logits tests hold either way).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "smallgemm.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+_state: dict = {}
+
+
+def _build_dir() -> str:
+    from .hub import cache_dir
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read())
+    key.update(" ".join([torch.__version__, sys.version, platform.machine(), *FLAGS, _cpu_flags()]).encode())
+    return os.path.join(cache_dir(), "ext", f"smallgemm-{key.hexdigest()[:12]}")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags: a kernel built with -march=native is only reused on a CPU that
+    has the same ones."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def available() -> bool:
+    """Build (once per machine) and load the kernel; False, with one message, where impossible."""
+    if "ok" in _state:
+        return _state["ok"]
+    _state["ok"] = False
+    if os.environ.get("JAKIRO_NO_EXT"):
+        _state["reason"] = "disabled by JAKIRO_NO_EXT"
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+        build = _build_dir()
+        os.makedirs(build, exist_ok=True)
+        library = os.path.join(build, "jakiro_smallgemm.so")
+        if os.path.exists(library):
+            torch.ops.load_library(library)
+        else:
+            print("[jakiro] building the small-batch linear kernel for this CPU (once, ~20 s)", file=sys.stderr)
+            load(name="jakiro_smallgemm", sources=[SOURCE], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=build, is_python_module=False, verbose=False)
+        _state["ok"] = True
+    except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels still work
+        _state["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        print(f"[jakiro] small-batch linear kernel unavailable ({_state['reason']}); using torch's kernels",
+              file=sys.stderr)
+    return _state["ok"]
+
+
+def status() -> str:
+    """'on', or 'off (why)': reported by ``jakiro bench-cost``."""
+    return "on" if available() else f"off ({_state.get('reason', 'unavailable')})"
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.jakiro_smallgemm.pack(weight)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.jakiro_smallgemm.linear(x, packed, out_features, bias)
