@@ -36,6 +36,9 @@ class _Parser(argparse.ArgumentParser):
 def _add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
     """Options from a settings dataclass: its fields' defaults, help and choices."""
     for name, flag, default, meta in cli_fields(cls, skip):
+        if default is False:  # a switch
+            p.add_argument(flag, dest=name, action="store_true", **meta)
+            continue
         meta.setdefault("type", type(default) if default is not None else str)
         meta.setdefault("metavar", None if "choices" in meta else flag[2:].upper().replace("-", "_"))
         p.add_argument(flag, dest=name, default=default, **meta)
@@ -291,7 +294,7 @@ def cmd_data(args) -> int:
     cfg = _config_from(args, DataConfig, target=args.target, filter_evaluation=not args.no_eval_filter)
     state = build_dataset(args.out, cfg, args.cache_dir)
     keys = ("records", "tokens", "loss_tokens", "records_done", "removed_evaluation", "removed_duplicates",
-            "feature_tokens_per_s", "regeneration_runs")
+            "skipped_bad_lines", "feature_tokens_per_s", "regeneration_runs")
     print(json.dumps({k: state[k] for k in keys if k in state}))
     return 0
 

@@ -424,3 +424,25 @@ def test_a_failed_first_build_leaves_no_folder_and_an_existing_one_stays(tmp_pat
     with pytest.raises(JakiroError, match="at least one assistant turn"):
         build_dataset(str(tmp_path / "c"), DataConfig(None, source=str(src)), progress=False)
     assert (tmp_path / "c").is_dir()
+
+
+def test_skip_bad_skips_and_counts_malformed_lines(tmp_path):
+    from jakiro.cli import build_parser
+    from jakiro.data.conversations import iter_conversations
+    from jakiro.train.dataset import DataConfig, build_dataset
+    def good(question):
+        return json.dumps({"messages": [{"role": "user", "content": question},
+                                        {"role": "assistant", "content": "Hi!"}]}).encode()
+    src = tmp_path / "mixed.jsonl"
+    src.write_bytes(good("Say hi.") + b"\n{oops\n" + '{"messages": "caf\xe9"}'.encode("latin-1")
+                    + b"\n\n" + good("Greet me.") + b"\n")
+    with pytest.raises(JakiroError, match=r"mixed.jsonl:2: invalid JSON .*--skip-bad skips such lines"):
+        list(iter_conversations(str(src)))
+    skipped: list[int] = []
+    assert [m is not None for m in iter_conversations(str(src), skipped)] == [True, False, False, True]
+    assert skipped == [2, 3]
+    args = build_parser().parse_args(["data", "--out", str(tmp_path / "d"), "--source", str(src), "--skip-bad"])
+    assert args.skip_bad is True
+    state = build_dataset(str(tmp_path / "d"), DataConfig(None, source=str(src), max_len=64, skip_bad=True),
+                          progress=False)
+    assert state["records"] == 2 and state["skipped_bad_lines"] == 2

@@ -74,9 +74,11 @@ def normalise(record) -> list[dict] | None:
     return messages
 
 
-def iter_conversations(source: str) -> Iterator[list[dict] | None]:
+def iter_conversations(source: str, skipped: list[int] | None = None) -> Iterator[list[dict] | None]:
     """One item per source record: the normalised messages, or None for a skipped record (so
-    that positions in the source stay countable for resuming)."""
+    that positions in the source stay countable for resuming). A malformed line of a JSONL source
+    stops with its line number, or, given a ``skipped`` list, is skipped (None) and its line
+    number appended there."""
     if source == "sharegpt":
         for obj in iter_json_array(sharegpt_path()):
             yield normalise(obj)
@@ -86,18 +88,30 @@ def iter_conversations(source: str) -> Iterator[list[dict] | None]:
     opener = gzip.open if source.endswith(".gz") else open  # JSONL, or gzip-compressed JSONL
     with opener(source, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise JakiroError(f"{source}:{lineno}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise JakiroError(f"{source}:{lineno}: invalid JSON ({exc.msg})") from None
-            messages = normalise(obj)
-            if messages is None:
-                raise JakiroError(f"{source}:{lineno}: expected 'conversations' (from/value) or "
-                                  f"'messages' (role/content) with at least one assistant turn")
+            messages, problem = _parse_line(raw)
+            if problem is None and messages is None:
+                continue  # a blank line
+            if problem is not None:
+                if skipped is None:
+                    raise JakiroError(f"{source}:{lineno}: {problem} (--skip-bad skips such lines)")
+                skipped.append(lineno)
             yield messages
+
+
+def _parse_line(raw: bytes) -> tuple[list[dict] | None, str | None]:
+    """(messages, None), (None, None) for a blank line, or (None, what is wrong with it)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    if not line.strip():
+        return None, None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"invalid JSON ({exc.msg})"
+    messages = normalise(obj)
+    if messages is None:
+        return None, ("expected 'conversations' (from/value) or 'messages' (role/content) with at least one "
+                      "assistant turn")
+    return messages, None

@@ -39,6 +39,8 @@ class DataConfig:
     sample_share: float = _opt(0.0, "with --regenerate greedy: share of conversations answered by sampling "
                                     "(T 0.8, top-p 0.95)")
     filter_evaluation: bool = _opt(True, "drop conversations that touch MT-bench, Spec-Bench or HumanEval prompts")
+    skip_bad: bool = _opt(False, "skip malformed lines of a JSONL source (counted and reported) instead of "
+                                 "stopping at the first")
 
     def check(self) -> None:
         """Refuse settings that cannot build a dataset (the command line and the API alike)."""

@@ -54,10 +54,12 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> tupl
 REGENERATED_FILE = "regenerated.jsonl"
 
 
-def _admitted(source: str, prompt_filter) -> Iterator[tuple[int, list[dict] | None]]:
+def _admitted(source: str, prompt_filter, skipped: list[int] | None = None
+              ) -> Iterator[tuple[int, list[dict] | None]]:
     """(source index, messages or None) for every source record; None for records that are
-    unusable, touch an evaluation prompt or repeat an earlier first user turn."""
-    for index, messages in enumerate(iter_conversations(source)):
+    unusable, touch an evaluation prompt or repeat an earlier first user turn. ``skipped``:
+    collect malformed lines there instead of stopping (``--skip-bad``)."""
+    for index, messages in enumerate(iter_conversations(source, skipped)):
         if messages is not None and prompt_filter is not None and not prompt_filter.admit(messages):
             messages = None
         yield index, messages
@@ -75,10 +77,11 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
     if written >= cfg.max_records:
         return {"conversations": 0, "already_regenerated": written}
     in_flight = 0
+    skipped: list[int] | None = [] if cfg.skip_bad else None
 
     def jobs():
         nonlocal in_flight
-        for index, messages in _admitted(cfg.source, prompt_filter):
+        for index, messages in _admitted(cfg.source, prompt_filter, skipped):
             if messages is None or index in done:
                 continue
             if written + in_flight >= cfg.max_records:
@@ -106,12 +109,12 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
 
         stats = regen.run(jobs(), write, on_step)
     bar.close()
+    report = stats.as_dict()
     if prompt_filter is not None:
-        stats_dict = stats.as_dict()
-        stats_dict.update(removed_evaluation=prompt_filter.contaminated,
-                          removed_duplicates=prompt_filter.duplicates)
-        return stats_dict
-    return stats.as_dict()
+        report.update(removed_evaluation=prompt_filter.contaminated, removed_duplicates=prompt_filter.duplicates)
+    if skipped is not None:
+        report["skipped_bad_lines"] = len(skipped)
+    return report
 
 
 def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[int], torch.Tensor]]) -> str:
@@ -189,7 +192,8 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         state.setdefault("regeneration_runs", []).append(
             regenerate_conversations(jk, cfg, source, prompt_filter, progress))
         prompt_filter = None  # the regenerated file holds admitted conversations only
-    records = _admitted(source, prompt_filter)
+    skipped: list[int] | None = [] if cfg.skip_bad and cfg.regenerate == "none" else None
+    records = _admitted(source, prompt_filter, skipped)
     for _ in range(state["records_done"]):  # resume: skip what the shards already cover
         if next(records, None) is None:
             break
@@ -231,6 +235,8 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
     if prompt_filter is not None:
         state["removed_evaluation"] = prompt_filter.contaminated
         state["removed_duplicates"] = prompt_filter.duplicates
+    if skipped is not None:  # lines read in this run, resumed ones included
+        state["skipped_bad_lines"] = len(skipped)
     state["feature_tokens_per_s"] = round(feature_tokens / seconds, 1) if feature_tokens else None
     _save_state(out, state)
     return state
