@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--repeats", type=int, default=10)
     c.add_argument("--new-tokens", type=int, default=64, help="tokens per plain decoding run")
     c.add_argument("--rounds", type=int, default=3, help="alternating ours/HF decoding rounds")
+    c.add_argument("--compare-kernels", action="store_true",
+                   help="also measure the forwards with torch's kernels instead of the small-batch kernel, "
+                        "alternately, on a second copy of the target")
     c.add_argument("--out", default="cost_curve.json")
     d = sub.add_parser("data", help="build a draft training set (tokens, loss mask, target features)")
     _add_target_args(d)
@@ -154,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-parallel", action="store_true", help="jakiro: no contrastive branch")
     t.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
+
+    e = sub.add_parser("eval-draft", help="held-out accuracy per draft step and greedy tau of finished drafts "
+                                          "on a dataset from `jakiro data` (the trainer's split and metrics)")
+    _add_target_args(e)
+    e.add_argument("--data", required=True, help="dataset folder from `jakiro data`")
+    e.add_argument("drafts", nargs="+", metavar="DRAFT", help="draft folders")
+    e.add_argument("--prompts", type=int, default=8, help="held-out first user turns decoded for tau (0 = none)")
+    e.add_argument("--tokens", type=int, default=48, help="new tokens per decoded prompt")
 
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
     _add_target_args(b)
@@ -282,7 +293,7 @@ def cmd_chat(args) -> int:
 def cmd_bench_cost(args) -> int:
     from .bench.cost_curve import run_cost_curve
     report = run_cost_curve(args.target, args.cache_dir, args.context, args.repeats,
-                            args.new_tokens, args.rounds)
+                            args.new_tokens, args.rounds, args.compare_kernels)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
@@ -323,6 +334,13 @@ def _bench_drafts(items: list[str]) -> dict[str, str]:
     return drafts
 
 
+def cmd_eval_draft(args) -> int:
+    from .train.evaluate import evaluate_drafts
+    for row in evaluate_drafts(args.data, args.drafts, args.target, args.cache_dir, args.prompts, args.tokens):
+        print(json.dumps(row), flush=True)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench.runner import BenchConfig, run_bench
     from .decoding.sampling import SamplingParams
@@ -357,7 +375,8 @@ def cmd_tune(args) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "tune": cmd_tune, "bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train}
+COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "tune": cmd_tune, "bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train,
+            "eval-draft": cmd_eval_draft}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,3 +63,18 @@ def test_a_failed_build_falls_back_with_one_message(tmp_path, monkeypatch, capsy
     assert smallgemm.status().startswith("off (")
     w = torch.randn(20, 8)
     torch.testing.assert_close(FastLinear(w)(torch.ones(3, 8)), torch.ones(3, 8) @ w.t())
+
+
+@needs_kernel
+def test_side_by_side_kernel_comparison_builds_a_torch_copy_and_restores_the_kernel(tmp_path):
+    from helpers import make_tiny_target
+    from jakiro.bench.cost_curve import kernel_comparison
+    from jakiro.models.target import TargetModel
+    w = torch.randn(40, 16)
+    with smallgemm.disabled():
+        assert FastLinear(w).small is None and smallgemm.status() == "off (disabled for comparison)"
+    assert FastLinear(w).small is not None and smallgemm.status() == "on"
+    folder = make_tiny_target(str(tmp_path), "llama")
+    report = kernel_comparison(TargetModel.from_folder(folder), folder, context=8, repeats=1, rounds=1)
+    assert set(report) == {"small_batch", "torch", "torch_over_small_batch"}
+    assert set(report["torch"]) == {"1", "2", "4", "8", "16", "32", "64"}

@@ -446,3 +446,27 @@ def test_skip_bad_skips_and_counts_malformed_lines(tmp_path):
     state = build_dataset(str(tmp_path / "d"), DataConfig(None, source=str(src), max_len=64, skip_bad=True),
                           progress=False)
     assert state["records"] == 2 and state["skipped_bad_lines"] == 2
+
+
+def test_eval_draft_reproduces_the_trainers_heldout_metrics_and_tau(tmp_path, tiny_setup, capsys, monkeypatch):
+    from helpers import CharTokenizer
+    from jakiro.cli import main
+    from jakiro.train.evaluate import evaluate_drafts
+    import jakiro.api
+    monkeypatch.setattr(jakiro.api, "load_tokenizer", lambda folder: CharTokenizer())
+    target, data = tiny_setup
+    cfg = config(tmp_path / "run", data, unroll=1, tau_every=6, tau_prompts=2, tau_tokens=8)
+    trainer = Trainer(cfg, target, progress=False)
+    trainer.run()
+    last = trainer.log[-1]
+    rows = evaluate_drafts(data, [cfg.out], target, prompts=2, tokens=8, eval_records=cfg.eval_records,
+                           steps=cfg.eval_steps, seq_len=cfg.seq_len)
+    assert rows[0]["top1"] == [round(x, 4) for x in last["eval"]["top1"]]
+    assert rows[0]["contrastive_top1"] == [round(x, 4) for x in last["eval"]["contrastive_top1"]]
+    assert rows[0]["tau_fixed_default_tree"] == round(last["tau"], 3)
+    assert main(["eval-draft", "--target", target, "--data", data, "--prompts", "0", cfg.out]) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out.strip().splitlines()[-1])
+    assert printed["draft"] == cfg.out and "tau_fixed_default_tree" not in printed
+    with pytest.raises(JakiroError, match="draft folder not found"):
+        evaluate_drafts(data, [str(tmp_path / "nowhere")], target)

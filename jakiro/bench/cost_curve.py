@@ -75,8 +75,25 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
                      "total_tokens": proposer.budget.total_tokens}}
 
 
+def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int, rounds: int = 3) -> dict:
+    """Forward costs with the small-batch kernel (``with_kernel``, a loaded target) and with
+    torch's kernels (a second copy), measured alternately (machine drift hits both alike);
+    medians over ``rounds``."""
+    from ..models.target import TargetModel
+    with smallgemm.disabled():
+        without = TargetModel.from_folder(target_path)
+    runs: dict[str, list[dict]] = {"small_batch": [], "torch": []}
+    for _ in range(rounds):
+        runs["small_batch"].append(forward_costs(with_kernel, context, repeats))
+        runs["torch"].append(forward_costs(without, context, repeats))
+    medians = {name: {n: statistics.median(r[n] for r in rs) for n in rs[0]} for name, rs in runs.items()}
+    return {name: {str(n): round(ms, 2) for n, ms in m.items()} for name, m in medians.items()} | {
+        "torch_over_small_batch": {str(n): round(medians["torch"][n] / medians["small_batch"][n], 2)
+                                   for n in medians["torch"]}}
+
+
 def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int, repeats: int,
-                   new_tokens: int, rounds: int) -> dict:
+                   new_tokens: int, rounds: int, compare_kernels: bool = False) -> dict:
     from transformers import AutoModelForCausalLM
 
     from ..api import load, shipped_draft
@@ -106,6 +123,10 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
             hf_tps.append(len(hf_ids) / (time.perf_counter() - t0))
             same &= hf_ids == res.token_ids
     ours, theirs = statistics.median(ours_tps), statistics.median(hf_tps)
+    extra = {}
+    if compare_kernels and smallgemm.available():
+        del hf
+        extra["kernels_side_by_side_ms"] = kernel_comparison(jk.target, jk.target_path, context, repeats, rounds)
     return {
         "target": jk.target_path,
         "threads": torch.get_num_threads(),
@@ -124,4 +145,5 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
             "floor_tokens_per_s": round(1000 / floor, 1),
             "ours_x_floor_rate": round(ours / (1000 / floor), 3),
         },
+        **extra,
     }

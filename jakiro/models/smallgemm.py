@@ -9,6 +9,7 @@ float32 rounding of each other (the logits tests hold either way).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -64,6 +65,19 @@ def available() -> bool:
         print(f"[jakiro] small-batch linear kernel unavailable ({_state['reason']}); using torch's kernels",
               file=sys.stderr)
     return _state["ok"]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Layers built inside use torch's kernels (for side-by-side measurements)."""
+    available()
+    saved = dict(_state)
+    _state.update(ok=False, reason="disabled for comparison")
+    try:
+        yield
+    finally:
+        _state.clear()
+        _state.update(saved)
 
 
 def status() -> str:

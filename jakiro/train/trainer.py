@@ -88,6 +88,25 @@ def _upgrade_identity(previous: dict, current: dict) -> dict:
     return upgraded
 
 
+def heldout_split(n_records: int, eval_records: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) record indices: the last ``eval_records`` records, at most 5 %, are
+    held out."""
+    n_eval = min(eval_records, max(1, n_records // 20))
+    return list(range(n_records - n_eval)), list(range(n_records - n_eval, n_records))
+
+
+def heldout_tau(engine, ds: FeatureDataset, indices: list[int], tokens: int) -> float:
+    """τ of greedy decoding with ``engine`` on the first user turn of each record in ``indices``
+    (everything before the first answer token): committed tokens per target forward."""
+    from ..decoding.engine import Metrics
+    total = Metrics()
+    for i in indices:
+        ids, mask, _ = ds.record(i)
+        start = int(torch.nonzero(mask)[0]) if mask.any() else len(ids)
+        total.merge(engine.generate(ids[:start].tolist(), tokens).metrics)
+    return total.tau
+
+
 def heldout_batches(ds: FeatureDataset, indices: list[int], seq_len: int, device, size: int = 8):
     for start in range(0, len(indices), size):
         ids, feats, mask, _ = make_batch(ds, indices[start:start + size], seq_len, device)
@@ -139,9 +158,7 @@ class Trainer:
         self.target_name = target.config.name
         self.embed = target.embed.to(self.device)
         self.full_head = target.lm_head.weight.to(self.device)
-        n_eval = min(cfg.eval_records, max(1, len(self.ds) // 20))
-        self.eval_idx = list(range(len(self.ds) - n_eval, len(self.ds)))
-        self.train_idx = list(range(len(self.ds) - n_eval))
+        self.train_idx, self.eval_idx = heldout_split(len(self.ds), cfg.eval_records)
         return target
 
     def _build_model(self, target) -> None:
@@ -298,19 +315,15 @@ class Trainer:
         """τ of real greedy decoding with the draft as it stands (default tree, no cost-aware
         sizing) on the first user turns of held-out records: committed tokens per target forward."""
         from ..api import load_tokenizer
-        from ..decoding.engine import Engine, Metrics
+        from ..decoding.engine import Engine
         from ..decoding.proposers import DraftProposer, TreeBudget
         if self._tau_engine is None:
             self._tau_engine = Engine(self.target, load_tokenizer(self.target_dir),
                                       DraftProposer(self.model, TreeBudget()))
         self.model.eval()
-        total = Metrics()
-        for i in self.eval_idx[: self.cfg.tau_prompts]:
-            ids, mask, _ = self.ds.record(i)
-            start = int(torch.nonzero(mask)[0]) if mask.any() else len(ids)
-            total.merge(self._tau_engine.generate(ids[:start].tolist(), self.cfg.tau_tokens).metrics)
+        tau = heldout_tau(self._tau_engine, self.ds, self.eval_idx[: self.cfg.tau_prompts], self.cfg.tau_tokens)
         self.model.train()
-        return total.tau
+        return tau
 
     def run(self, stop_after: int | None = None) -> dict:
         """Train until cfg.steps (or ``stop_after`` more steps, for tests of resuming)."""
