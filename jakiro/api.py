@@ -93,8 +93,7 @@ class Jakiro:
                 from .decoding.adaptive import AdaptiveProposer
                 proposer = AdaptiveProposer(proposer, self.target, adaptive=adaptive and not explicit,
                                             lookup=PromptLookupProposer(num_tokens=pld_tokens) if lookup else None)
-        engine = Engine(self.target, self.tokenizer, proposer)
-        engine.tuned = record["path"] if tuned else None
+        engine = Engine(self.target, self.tokenizer, proposer, tuned=record["path"] if tuned else None)
         self.engines[name] = engine
         return engine
 

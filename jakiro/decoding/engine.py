@@ -110,11 +110,12 @@ class GenerationResult:
 class Engine:
     """Runs one request at a time for a target, its tokenizer and a proposer."""
 
-    def __init__(self, target, tokenizer, proposer: Proposer | None = None):
+    def __init__(self, target, tokenizer, proposer: Proposer | None = None, tuned: str | None = None):
+        """``tuned``: the `jakiro tune` record whose tree the proposer drafts, if any (reported)."""
         self.target, self.tokenizer = target, tokenizer
         self.proposer = proposer or Proposer()
         self.eos_ids = _eos_ids(target, tokenizer)
-        self.tuned: str | None = None  # the `jakiro tune` record whose tree the proposer drafts
+        self.tuned = tuned
 
     @property
     def method(self) -> str:
