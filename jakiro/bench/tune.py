@@ -47,11 +47,12 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     jk = load(target, draft, method, cache_dir=cache, depth=4, top_k=4, total_tokens=8)  # untuned
     base = jk.engine(method)
     prompts_ids = [base.encode(p) for p in (prompts or CALIBRATION)]
-    tuning = _Tuning(jk, base.proposer.draft, draft, method, cache)
-    configs = tuning.grid_configs()
+    model = base.proposer.draft
+    configs = _grid_configs(method, model)
     survivors = min(len(configs), max(SURVIVORS, FINALISTS))
-    vocab = tuning.vocab
-    tuning.bar = bar = tqdm(total=len(configs) + survivors + (2 if vocab else 0), desc="tune", disable=not progress)
+    vocab = model.config.draft_vocab_size
+    bar = tqdm(total=len(configs) + survivors + (2 if vocab else 0), desc="tune", disable=not progress)
+    tuning = _Tuning(jk, model, draft, method, cache, bar)
     result = tuning.result
     try:
         costs = forward_costs(jk.target, 256, repeats=5, sizes=(1, 2, 4, 8, 16, 32))
@@ -78,25 +79,25 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     return result
 
 
+def _grid_configs(method: str, model) -> list[dict]:
+    # Jakiro drafts: the last tree layer from the contrastive branch (one draft forward less) or not
+    parallel = [True, False] if method == "jakiro" and model.config.parallel_decoding else [None]
+    return [dict(depth=d, top_k=k, total_tokens=n, **({} if p is None else {"parallel_decoding": p}))
+            for d, k, n in CHAINS + TREES for p in parallel]
+
+
 class _Tuning:
     """The record being measured: every configuration shares the one loaded draft; each
-    measurement replaces its tree's row and saves the best so far."""
+    measurement replaces its tree's row, saves the best so far and moves ``bar`` on."""
 
-    def __init__(self, jk, model, draft: str, method: str, cache: str | None):
-        self.jk, self.model, self.method = jk, model, method
+    def __init__(self, jk, model, draft: str, method: str, cache: str | None, bar):
+        self.jk, self.model, self.bar = jk, model, bar
         self.vocab = model.config.draft_vocab_size
         self.path = tuning_path(draft, cache)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.result = {"draft": os.path.abspath(draft), "method": method, "threads": torch.get_num_threads(),
                        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False, "grid": []}
         self.grid = self.result["grid"]
-        self.bar = None
-
-    def grid_configs(self) -> list[dict]:
-        # Jakiro drafts: the last tree layer from the contrastive branch (one draft forward less) or not
-        parallel = [True, False] if self.method == "jakiro" and self.model.config.parallel_decoding else [None]
-        return [dict(depth=d, top_k=k, total_tokens=n, **({} if p is None else {"parallel_decoding": p}))
-                for d, k, n in CHAINS + TREES for p in parallel]
 
     def save(self, best: dict | None = None) -> None:
         grid = self.grid
@@ -121,9 +122,8 @@ class _Tuning:
                    tokens_per_s=tps, tau=tau, round=round_)
         self.grid[:] = [r for r in self.grid if _tree_key(r) != _tree_key(out)] + [out]
         self.save()
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(best=_describe(max(self.grid, key=lambda r: (r["round"], r["tokens_per_s"]))))
+        self.bar.update(1)
+        self.bar.set_postfix(best=_describe(max(self.grid, key=lambda r: (r["round"], r["tokens_per_s"]))))
         return out
 
 

@@ -277,6 +277,7 @@ class FeatureDataset:
             raise JakiroError(f"{folder} is not a jakiro dataset (no {STATE_FILE}); build one with `jakiro data`")
         if not state["shards"]:
             raise JakiroError(f"dataset {folder} is empty")
+        self.folder = folder
         self.identity = state["identity"]
         ids, masks, feats, offsets = [], [], [], [0]
         for name in state["shards"]:
@@ -294,6 +295,15 @@ class FeatureDataset:
         self.features = torch.cat(feats)  # float16; converted per batch
         self.offsets = torch.tensor(offsets)
         self.token_counts = {int(k): v for k, v in state["token_counts"].items()}
+
+    def check_target(self, target) -> None:
+        """Refuse a target whose features or vocabulary differ from the one this dataset was built
+        with (a TargetModel)."""
+        ident, cfg = self.identity, target.config
+        if (ident["hidden_size"], ident["vocab_size"]) != (cfg.hidden_size, cfg.vocab_size):
+            raise JakiroError(f"dataset {self.folder} was built for {ident['target_name']} "
+                              f"(hidden {ident['hidden_size']}, vocab {ident['vocab_size']}), "
+                              f"not for this target ({cfg.name})")
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1

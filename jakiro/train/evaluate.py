@@ -30,8 +30,7 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     ds = FeatureDataset(data)
     path = resolve_target(target, cache_dir)
     model = TargetModel.from_folder(path)
-    if ds.identity["target_name"] != model.config.name:
-        raise JakiroError(f"dataset {data} was built for {ds.identity['target_name']}, not {model.config.name}")
+    ds.check_target(model)
     tokenizer = load_tokenizer(path)
     _, eval_idx = heldout_split(len(ds), eval_records)
     out = []

@@ -150,11 +150,7 @@ class Trainer:
             raise JakiroError(f"dataset {cfg.data} has {len(self.ds)} record(s); need at least 2")
         self.target_dir = resolve_target(target_path, cache_dir)
         target = TargetModel.from_folder(self.target_dir)
-        ident = self.ds.identity
-        if (ident["hidden_size"], ident["vocab_size"]) != (target.config.hidden_size, target.config.vocab_size):
-            raise JakiroError(f"dataset {cfg.data} was built for {ident['target_name']} "
-                              f"(hidden {ident['hidden_size']}, vocab {ident['vocab_size']}), "
-                              f"not for this target ({target.config.name})")
+        self.ds.check_target(target)
         self.target_name = target.config.name
         self.embed = target.embed.to(self.device)
         self.full_head = target.lm_head.weight.to(self.device)
