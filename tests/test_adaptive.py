@@ -26,6 +26,42 @@ def test_cost_table_interpolates_and_extends():
     assert c.draft(3) == 2.0
 
 
+def test_cost_table_grows_with_the_context():
+    c = CostTable({1: 10.0, 9: 20.0}, {1: 2.0, 2: 4.0}, context=100,
+                  target_slope={1: 0.01, 9: 0.03}, draft_slope={1: 0.001, 2: 0.002})
+    assert c.target(1) == 10.0 and c.target(1, 100) == 10.0
+    assert c.target(1, 1100) == pytest.approx(20.0) and c.target(5, 1100) == pytest.approx(15.0 + 20.0)
+    assert c.draft(2, 1100) == pytest.approx(6.0) and c.draft(5, 1100) == pytest.approx(6.0)
+    as_dict = c.as_dict()
+    assert as_dict["context"] == 100 and as_dict["target_ms_per_context_token"] == {"1": 0.01, "9": 0.03}
+
+
+def test_measured_costs_cover_every_depth_and_grow_with_the_context(tiny):
+    from jakiro.decoding.adaptive import measure_costs
+    root, target, tok, prompts, reference = tiny
+    proposer = DraftProposer(random_draft(root, target, "eagle2", {}, "cost-draft"), TreeBudget(3, 2, 6))
+    c = measure_costs(target, proposer, context=32, long_context=256, repeats=1)
+    assert c.context == 32 and sorted(c.draft_ms) == [1, 2, 3] and sorted(c.target_ms)[-1] == 7
+    assert all(v > 0 for v in list(c.target_ms.values()) + list(c.draft_ms.values()))
+    assert sorted(c.target_slope) == [1, 7] and min(c.target_slope.values()) >= 0.0
+    assert c.draft_slope[3] >= c.draft_slope[1] >= 0.0
+
+
+def test_a_good_lookup_chain_leaves_a_weak_draft_idle(tiny):
+    from jakiro.decoding.proposers import PromptLookupProposer
+    root, target, tok, prompts, reference = tiny
+    draft = random_draft(root, target, "eagle2", {}, "chain-draft")
+    costs = CostTable({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 16: 1.5}, {1: 0.15, 2: 0.3, 3: 0.45})
+    proposer = AdaptiveProposer(DraftProposer(draft, TreeBudget(3, 2, 6)), target, costs,
+                                lookup=PromptLookupProposer(num_tokens=4))
+    proposer.reached[1:] = torch.tensor([8.0, 4.0, 2.0])  # the draft reaches depth 1 in 40 % of cycles
+    proposer.tried[1:] = 20.0
+    assert proposer.choose_depth(0) >= 1  # alone it pays
+    proposer.lookup_hits[:] = 19.0  # the chain matches 95 % of the time, token after token
+    proposer.lookup_seen[:] = 20.0
+    assert proposer.choose_depth(4) == 0  # next to it, drafting is not worth its cost
+
+
 def make(tiny, costs, method="jakiro", budget=TreeBudget(4, 3, 12), name="adaptive-draft", **overrides):
     root, target, tok, prompts, reference = tiny
     draft = random_draft(root, target, method, overrides, name)

@@ -2,14 +2,18 @@
 or takes a plain decoding step.
 
 Two inputs. (a) What things cost on this machine: the target's forward over n tree tokens and a
-draft proposal of depth d, measured once per loaded engine (``measure_costs``). (b) How well the
-draft predicts *this* request: the share of drafted cycles whose accepted path reached depth i,
-and a calibration of the draft's path probabilities (EAGLE-2 scores are products of draft
-probabilities, over-confident for a weak draft) against the nodes actually accepted.
+draft proposal of depth d, and how both grow with the context, measured once per loaded engine
+in the order decoding runs them (``measure_costs``). (b) How well the draft predicts *this*
+request: the share of drafted cycles whose accepted path reached depth i (recent cycles weigh
+more: FORGET), and a calibration of
+the draft's path probabilities (EAGLE-2 scores are products of draft probabilities,
+over-confident for a weak draft) against the nodes actually accepted.
 
 Per cycle: the depth d (0 = plain step) maximises expected committed tokens per millisecond,
-E(d) / (t(n_d) + draft(d)) with E(d) = 1 + sum_{i<=d} P(path reaches depth i); the drafted tree is
-then cut to the k best nodes maximising (1 + sum of their calibrated acceptance) / t(k + 1).
+E(d) / (t(n_d) + draft(d)) with E(d) = 1 + sum_{i<=d} P(path reaches depth i), both costs at the
+request's current length; the drafted tree is then cut to the k best nodes maximising
+(1 + sum of their calibrated acceptance) / t(k + 1). With prompt lookup, depth i counts as
+reached when the draft or the lookup chain gets there, and the chain alone is the option to beat.
 While plain steps win, a probe after 4, 8, 16 ... plain steps drafts one level and compares it
 with the token the plain step commits (one draft step, no verification), so a draft that starts
 predicting well is noticed. Decisions depend only on the fixed cost table and on this request's
@@ -19,11 +23,13 @@ Verification is untouched: any tree chosen before the target's forward keeps dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, field
 
 import torch
 
-from .costs import forward_costs, median_ms
+from .costs import forward_ms, prefilled_cache
 from .proposers import DraftProposer, PromptLookupProposer, Proposer
 from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree
 
@@ -31,60 +37,114 @@ PROBE_AFTER = 4  # plain steps before drafting again, doubled after each probe t
 MAX_WAIT = 64
 BUCKETS = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001])
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior
+DEPTH_PRIOR_WEIGHT = 1.0  # ... and behind the depth prior, against at most 1 / (1 - FORGET) observations
+FORGET = 0.9  # each drafted cycle's outcome weighs this much less per later one: a draft that did
+# well on an answer's opening words and not on the rest (a translation) is dropped within ~10 cycles
 PRIOR_SHRINK = 0.8  # prior: a node is accepted with 0.8 x its draft probability
-PRIOR_DEPTH = 0.6  # prior: P(path reaches depth i) = 0.6 ** i (optimistic, so drafting is tried)
+PRIOR_DEPTH = 0.6  # prior: P(path gets past level i | it reached i - 1) = 0.6 (optimistic, so drafting is tried)
 PRIOR_LOOKUP = 0.5  # prior: each prompt-lookup token matches with 0.5 once the ones before it did
 
 
 @dataclass
 class CostTable:
-    """Milliseconds on this machine: target forward over n tree tokens (root included), and one
-    proposal of depth d."""
+    """Milliseconds on this machine: target forward over n tree tokens (root included) and one
+    proposal of depth d, both after ``context`` cached tokens; and what each costs more per
+    further cached token (``target_slope`` by n, ``draft_slope`` by depth; interpolated like the
+    costs), so that a long prompt's dearer attention enters the choice."""
     target_ms: dict[int, float]
     draft_ms: dict[int, float]
+    context: int = 0
+    target_slope: dict[int, float] = field(default_factory=dict)
+    draft_slope: dict[int, float] = field(default_factory=dict)
 
-    def target(self, n: int) -> float:
-        known = sorted(self.target_ms)
-        if n in self.target_ms:
-            return self.target_ms[n]
-        lo = max((k for k in known if k < n), default=known[0])
-        hi = min((k for k in known if k > n), default=known[-1])
-        if hi == lo:  # beyond the table: extend its last slope
-            a, b = known[-2:] if len(known) > 1 else (known[-1], known[-1])
-            slope = (self.target_ms[b] - self.target_ms[a]) / (b - a) if b != a else 0.0
-            return self.target_ms[hi] + slope * (n - hi)
-        w = (n - lo) / (hi - lo)
-        return self.target_ms[lo] * (1 - w) + self.target_ms[hi] * w
+    def target(self, n: int, context: int | None = None) -> float:
+        extra = _at(self.target_slope, n) * (context - self.context) if context is not None else 0.0
+        return _at(self.target_ms, n) + extra
 
-    def draft(self, depth: int) -> float:
-        return self.draft_ms.get(depth, max(self.draft_ms.values()) if self.draft_ms else 0.0)
+    def draft(self, depth: int, context: int | None = None) -> float:
+        if not self.draft_ms:
+            return 0.0
+        base = self.draft_ms.get(depth, max(self.draft_ms.values()))
+        slope = self.draft_slope.get(depth, max(self.draft_slope.values())) if self.draft_slope else 0.0
+        return base + (slope * (context - self.context) if context is not None else 0.0)
 
     def as_dict(self) -> dict:
-        return {"target_ms": {str(k): round(v, 3) for k, v in self.target_ms.items()},
-                "draft_ms": {str(k): round(v, 3) for k, v in self.draft_ms.items()}}
+        def rounded(table: dict, digits: int) -> dict:
+            return {str(k): round(v, digits) for k, v in table.items()}
+        return {"context": self.context, "target_ms": rounded(self.target_ms, 3),
+                "draft_ms": rounded(self.draft_ms, 3), "target_ms_per_context_token": rounded(self.target_slope, 5),
+                "draft_ms_per_context_token": rounded(self.draft_slope, 5)}
+
+
+def _at(table: dict[int, float], n: int) -> float:
+    """``table`` at ``n``: linear between the known sizes, the last slope beyond them."""
+    if not table:
+        return 0.0
+    if n in table:
+        return table[n]
+    known = sorted(table)
+    lo = max((k for k in known if k < n), default=known[0])
+    hi = min((k for k in known if k > n), default=known[-1])
+    if hi == lo:  # beyond the table: extend its last slope
+        a, b = known[-2:] if len(known) > 1 else (known[-1], known[-1])
+        slope = (table[b] - table[a]) / (b - a) if b != a else 0.0
+        return table[hi] + slope * (n - hi)
+    w = (n - lo) / (hi - lo)
+    return table[lo] * (1 - w) + table[hi] * w
 
 
 @torch.inference_mode()
-def measure_costs(target, proposer: DraftProposer, context: int = 128, repeats: int = 3) -> CostTable:
-    """Measure the cost table once (about a second for SmolLM2-135M on two cores)."""
-    gen = torch.Generator().manual_seed(0)
-    vocab = target.config.vocab_size
+def measure_costs(target, proposer: DraftProposer, context: int = 128, long_context: int = 768,
+                  repeats: int = 3) -> CostTable:
+    """Measure the cost table once (about three seconds for SmolLM2-135M on two cores).
+
+    As in decoding, every draft proposal is timed right after a target forward (which pushes
+    the draft's weights out of the caches: timed alone, a draft step looks twice as cheap as it
+    is) and catches up on two committed positions. Target forwards are measured for every tree
+    size after ``context`` tokens and, for the smallest and largest, after ``long_context``
+    tokens too: the difference, per token, is how the cost grows with the prompt."""
     max_n = proposer.max_tree_tokens
-    context = min(context, target.config.max_context - max_n - 8)
-    sizes = sorted({n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if n < max_n} | {max_n})
-    target_ms = forward_costs(target, context, repeats, sizes)
-    d = proposer.draft.config.hidden_size
+    room = target.config.max_context - max_n - (proposer.budget.depth + 1) * (repeats + 2) * 2 - 8
+    context = max(1, min(context, room // 2))
+    long_context = max(context + 1, min(long_context, room))
+    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < max_n} | {max_n})
+    cache = prefilled_cache(target, long_context, max_n)
+    longer = forward_ms(target, cache, repeats, sorted({1, max_n}))
+    cache.truncate(context)
+    target_ms = forward_ms(target, cache, repeats, sizes)
+    span = long_context - context
+    target_slope = {n: max(0.0, (longer[n] - target_ms[n]) / span) for n in longer}
+    deepest = proposer.budget.depth
+    short = _draft_costs(target, cache, proposer, context, range(1, deepest + 1), repeats)
+    far = _draft_costs(target, cache, proposer, long_context, [deepest], repeats)
+    slope = max(0.0, (far[deepest] - short[deepest]) / span)
+    draft_slope = {d: slope * d / deepest for d in short}
+    return CostTable(target_ms, short, context, target_slope, draft_slope)
+
+
+def _draft_costs(target, cache, proposer: DraftProposer, context: int, depths, repeats: int) -> dict[int, float]:
+    """Median ms of a proposal of each depth after ``context`` committed tokens, each right after
+    a one-token target forward on ``cache``, catching up on two committed positions as after a
+    typical cycle."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, d = target.config.vocab_size, proposer.draft.config.hidden_size
     ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    proposer.start(context + (proposer.budget.depth + 1) * (repeats + 1) + 8)
+    step = torch.tensor(ids[-1:])
+    proposer.start(context + (len(depths) * (repeats + 1) + 1) * 2 + proposer.budget.depth + 8)
     proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [ids[0]]))
-    proposer.propose(ids)
-    draft_ms = {}
-    for depth in range(1, proposer.budget.depth + 1):
-        def one():
-            proposer.observe(torch.randn(1, d, generator=gen), torch.tensor([ids[0]]))
+    proposer.propose(ids, depth=1)
+    out = {}
+    for depth in depths:
+        times = []
+        for r in range(repeats + 1):
+            target(step, cache)  # evicts the draft's weights from the caches, as verification does
+            proposer.observe(torch.randn(2, d, generator=gen), torch.tensor(ids[:2]))
+            t0 = time.perf_counter()
             proposer.propose(ids, depth=depth)
-        draft_ms[depth] = median_ms(one, repeats, warmup=1)
-    return CostTable(target_ms, draft_ms)
+            if r:  # the first is a warm-up
+                times.append(time.perf_counter() - t0)
+        out[depth] = statistics.median(times) * 1000
+    return out
 
 
 class AdaptiveProposer(Proposer):
@@ -108,7 +168,7 @@ class AdaptiveProposer(Proposer):
     def start_stats(self) -> None:
         D = self.max_depth
         self.reached = torch.zeros(D + 1)  # drafted cycles whose accepted path reached depth i
-        self.tried = torch.zeros(D + 1)  # drafted cycles whose tree had depth >= i
+        self.tried = torch.zeros(D + 1)  # ... whose tree had depth >= i and whose path reached i - 1
         mids = (BUCKETS[1:] + BUCKETS[:-1]) / 2
         self.hits = PRIOR_WEIGHT * PRIOR_SHRINK * mids.clamp(max=1.0)  # calibration, per bucket
         self.seen = torch.full_like(mids, PRIOR_WEIGHT)
@@ -121,6 +181,7 @@ class AdaptiveProposer(Proposer):
         self.wait = PROBE_AFTER
         self.shadow: Tree | None = None  # a probe's draft, compared with the next committed token
         self.chain: list[int] = []  # this cycle's lookup continuation, compared with what is committed
+        self.context_length: int | None = None  # committed tokens at this cycle (costs grow with it)
 
     def start(self, max_len: int) -> None:
         self.inner.start(max_len)
@@ -131,19 +192,40 @@ class AdaptiveProposer(Proposer):
 
     # ------------------------------------------------------------------ decisions
     def reach_probability(self) -> torch.Tensor:
-        """P(accepted path reaches depth i), i = 1..D: observed share with an optimistic prior."""
-        i = torch.arange(1, self.max_depth + 1, dtype=torch.float32)
-        prior = PRIOR_DEPTH ** i
-        return (self.reached[1:] + PRIOR_WEIGHT * prior) / (self.tried[1:] + PRIOR_WEIGHT)
+        """P(accepted path reaches depth i), i = 1..D: the product of the observed chances of
+        getting past each level once the one above was reached, each with an optimistic prior."""
+        conditional = (self.reached[1:] + DEPTH_PRIOR_WEIGHT * PRIOR_DEPTH) / (self.tried[1:] + DEPTH_PRIOR_WEIGHT)
+        return conditional.cumprod(0)
 
-    def choose_depth(self) -> int:
-        c = self.costs
-        best_depth, best_rate = 0, 1.0 / c.target(1)
+    def _count(self, depth: int, reached: int) -> None:
+        """One drafted cycle (or probe) whose tree reached ``depth`` and whose accepted path the
+        draft carried ``reached`` deep: level i was tried if level i - 1 was reached. Earlier
+        cycles fade by FORGET."""
+        self.tried.mul_(FORGET)
+        self.reached.mul_(FORGET)
+        self.tried[1:min(depth, reached + 1) + 1] += 1
+        self.reached[1:min(depth, reached) + 1] += 1
+
+    def lookup_reach(self, length: int) -> torch.Tensor:
+        """P(the lookup chain's first i tokens all match), i = 1..length."""
+        return (self.lookup_hits / self.lookup_seen).cumprod(0)[:length]
+
+    def choose_depth(self, chain_length: int = 0) -> int:
+        """The draft depth (0: none) that maximises expected committed tokens per ms. With a
+        lookup chain of ``chain_length`` tokens in the tree, depth i is reached when either source
+        gets there (taken as independent), and the chain alone is the option to beat."""
+        c, n_ctx = self.costs, self.context_length
         reach = self.reach_probability()
+        chain = torch.zeros(self.max_depth + max(chain_length, 1))
+        chain[:chain_length] = self.lookup_reach(chain_length)
+        best_depth, best_rate = 0, (1.0 + float(chain.sum())) / c.target(1 + chain_length, n_ctx)
         for d in range(1, self.max_depth + 1):
-            expected = 1.0 + float(reach[:d].sum())
+            either = chain.clone()
+            either[:d] = 1 - (1 - chain[:d]) * (1 - reach[:d])
+            expected = 1.0 + float(either.sum())
             # a path to depth d verifies at least d nodes
-            rate = expected / (c.target(1 + max(d, round(self.nodes[d]))) + c.draft(d))
+            nodes = chain_length + max(d, round(self.nodes[d]))
+            rate = expected / (c.target(1 + nodes, n_ctx) + c.draft(d, n_ctx))
             if rate > best_rate:
                 best_depth, best_rate = d, rate
         return best_depth
@@ -172,7 +254,7 @@ class AdaptiveProposer(Proposer):
         est[drafted] = self.calibrated(tree.scores[drafted].exp())
         looked = ((sources & LOOKUP) > 0).nonzero().flatten()
         if looked.numel():  # P(the chain matches up to depth d) = product of per-position rates
-            reach = (self.lookup_hits / self.lookup_seen).cumprod(0)
+            reach = self.lookup_reach(len(self.lookup_seen))
             d = (tree.depths[looked] - 1).clamp(max=len(reach) - 1)
             est[looked] = torch.maximum(est[looked], reach[d])
         est[0] = 1.0
@@ -191,7 +273,7 @@ class AdaptiveProposer(Proposer):
         est = self.acceptance(tree)[1:]
         order = torch.sort(-est, stable=True).indices  # ties: parents (lower index) first
         gain = 1.0 + torch.cat((torch.zeros(1), est[order].cumsum(0)))  # [n + 1]
-        cost = torch.tensor([self.costs.target(k + 1) for k in range(n + 1)])
+        cost = torch.tensor([self.costs.target(k + 1, self.context_length) for k in range(n + 1)])
         k = max(int(torch.argmax(gain / cost)), min(min_keep, n))
         if k == n:
             return tree
@@ -210,7 +292,8 @@ class AdaptiveProposer(Proposer):
         if not self.adaptive:
             tree = self.inner.propose(context)
             return add_chain(tree, chain) if chain else tree
-        depth = self.choose_depth()
+        self.context_length = len(context)
+        depth = self.choose_depth(len(chain))
         self.shadow = None
         if depth == 0:
             self.idle += 1
@@ -230,7 +313,7 @@ class AdaptiveProposer(Proposer):
         drafted = int((tree.sources & DRAFT > 0).sum())
         self.nodes[depth] = 0.7 * self.nodes[depth] + 0.3 * drafted
         if drafted == 0:  # the draft was not confident enough to verify: a cycle that reached nothing
-            self.tried[1:depth + 1] += 1
+            self._count(depth, 0)
         return tree
 
     def feedback(self, tree: Tree, verdict) -> None:
@@ -242,8 +325,7 @@ class AdaptiveProposer(Proposer):
             hit = shadow.tokens[level] == verdict.bonus if verdict.accept_length == 0 else \
                 shadow.tokens[level] == tree.tokens[verdict.accepted[1]]
             self._calibrate(shadow.scores[level], hit)
-            self.tried[1] += 1
-            self.reached[1] += float(hit.any())
+            self._count(1, int(hit.any()))
         self._lookup_feedback(tree, verdict)
         if tree.size == 1 or tree.scores is None:
             return
@@ -255,9 +337,11 @@ class AdaptiveProposer(Proposer):
         if bool(drafted.any()):
             self._calibrate(tree.scores[drafted], on_path[drafted])
             depth = int(tree.depths[drafted].max())
-            accept_length = int(accepted.shape[0]) - 1
-            self.tried[1:depth + 1] += 1
-            self.reached[1:min(depth, accept_length) + 1] += 1
+            # how deep the draft's own nodes carried the accepted path (lookup-only nodes do not
+            # count: they would keep a draft that adds nothing to the chain drafting)
+            on_draft = ((sources[accepted[1:]] & DRAFT) > 0).tolist() + [False]
+            reached = on_draft.index(False)
+            self._count(depth, reached)
 
     def _lookup_feedback(self, tree: Tree, verdict) -> None:
         """Score the lookup chain against the tokens this cycle committed, position by position

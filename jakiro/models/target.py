@@ -233,15 +233,11 @@ class TargetModel:
                 attn_mask = torch.cat((torch.ones(n, past, dtype=torch.bool), new_mask), 1)
         elif tree_mask is not None and not bool(tree_mask[0, 0]):
             raise ValueError("a token must attend to itself")
-        H, D = cfg.num_heads, cfg.head_dim
         x = self.embed[input_ids]  # [n, d]
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
             k_all, v_all = cache.write(i, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
-            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_all, v_all,
-                                               attn_mask=attn_mask, is_causal=is_causal,
-                                               scale=self.scale, enable_gqa=H != cfg.num_kv_heads)
-            x = self._attention_output_and_mlp(layer, x, o[0].transpose(0, 1).reshape(n, H * D))
+            x = self._attention_output_and_mlp(layer, x, self._attend(q, k_all, v_all, attn_mask, is_causal))
         features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
         rows = features if logits_rows is None else features[logits_rows]
         return self.lm_head(rows), features
@@ -263,11 +259,31 @@ class TargetModel:
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
             k_all, v_all = cache.write(i, k, v)
-            o = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, attn_mask=mask,
-                                               scale=self.scale, enable_gqa=H != cfg.num_kv_heads)
+            # the query heads sharing a KV head as g rows of one head (see ``_attend``)
+            o = F.scaled_dot_product_attention(q.reshape(B, cfg.num_kv_heads, -1, D), k_all, v_all,
+                                               attn_mask=mask, scale=self.scale)
             x = self._attention_output_and_mlp(layer, x, o.reshape(B, H * D))
         features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
         return self.lm_head(features), features
+
+    def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+        """q [n, H, D] over the cache's k, v [1, Hkv, L, D] -> [n, H D]. Outside the causal prefill
+        the query heads sharing a KV head run as one head with g n rows (the mask repeated per
+        group): the same products as grouped-query attention, each K/V row read once instead of
+        g times, which is most of the cost of one token's attention over a long context."""
+        cfg = self.config
+        n, H, D = q.shape
+        Hkv = cfg.num_kv_heads
+        g = H // Hkv
+        if is_causal or g == 1:
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_all, v_all, is_causal=is_causal,
+                                               attn_mask=attn_mask, scale=self.scale, enable_gqa=g > 1)
+            return o[0].transpose(0, 1).reshape(n, H * D)
+        grouped = q.transpose(0, 1).reshape(1, Hkv, g * n, D)  # heads h = j g + i share KV head j
+        mask = attn_mask.repeat(g, 1) if attn_mask is not None else None
+        o = F.scaled_dot_product_attention(grouped, k_all, v_all, attn_mask=mask, scale=self.scale)
+        return o.view(H, n, D).transpose(0, 1).reshape(n, H * D)
 
     def _attention_inputs(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [n, d] -> rotated q [n, H, D], rotated k [n, Hkv, D], v [n, Hkv, D]."""
