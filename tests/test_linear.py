@@ -78,3 +78,34 @@ def test_side_by_side_kernel_comparison_builds_a_torch_copy_and_restores_the_ker
     report = kernel_comparison(TargetModel.from_folder(folder), folder, context=8, repeats=1, rounds=1)
     assert set(report) == {"small_batch", "torch", "torch_over_small_batch"}
     assert set(report["torch"]) == {"1", "2", "4", "8", "16", "32", "64"}
+
+
+@pytest.mark.parametrize("method", ["eagle2", "jakiro"])
+def test_draft_inference_layers_match_training_and_follow_weight_updates(tiny, method):
+    from test_speculative_greedy import random_draft
+    root, target, tok, prompts, reference = tiny
+    draft = random_draft(root, target, method, {}, f"fast-layers-{method}")
+    g = torch.Generator().manual_seed(0)
+    features = torch.randn(1, 5, draft.config.hidden_size, generator=g)
+    tokens = torch.randint(0, draft.config.vocab_size, (1, 5), generator=g)
+    positions = torch.arange(5)
+
+    def both():
+        draft.train()
+        with torch.no_grad():
+            reference_ = draft(features, tokens, positions)  # torch's layers
+        draft.eval()
+        with torch.inference_mode():
+            fast = draft(features, tokens, positions)  # the runtime's kernels
+        for name in ("features", "blend", "contrastive"):
+            if getattr(reference_, name) is not None:
+                torch.testing.assert_close(getattr(fast, name), getattr(reference_, name), atol=1e-4, rtol=1e-4)
+        return fast
+
+    before = both()
+    with torch.no_grad():  # an optimiser step, in place
+        draft.gate_up.mul_(1.5)
+        draft.q_proj.weight.mul_(0.5)
+        draft.fc.bias.add_(0.1)
+    after = both()  # the inference copies were rebuilt from the new weights
+    assert not torch.allclose(after.blend, before.blend, atol=1e-3)

@@ -79,6 +79,7 @@ class DraftModel(nn.Module):
         self.embed: torch.Tensor | None = None  # target's, frozen, attached by attach_target
         self.head_weight: torch.Tensor | None = None  # [head_vocab, d]
         self._head_fast: dict[int | None, FastLinear] = {}
+        self._fast: dict[str, tuple] = {}  # inference copies of the layers: name -> (stamp, FastLinear)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -119,6 +120,20 @@ class DraftModel(nn.Module):
         flat = features.reshape(-1, features.shape[-1])
         return fast(flat).view(*features.shape[:-1], -1)
 
+    def _linear(self, name: str, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ cat(weights)^T (+ bias). In training, ``F.linear``; in inference, the runtime's
+        ``FastLinear`` (the small-batch kernel for a draft step's few rows, oneDNN for a prompt's
+        catch-up), built from the weights on first use and again whenever they change (a
+        training run measuring its draft between optimiser steps)."""
+        if self.training or torch.is_grad_enabled():
+            return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights), bias)
+        stamp = tuple((w.data_ptr(), w._version) for w in weights + ((bias,) if bias is not None else ()))
+        entry = self._fast.get(name)
+        if entry is None or entry[0] != stamp:
+            weight = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()
+            entry = self._fast[name] = (stamp, FastLinear(weight, None if bias is None else bias.detach()))
+        return entry[1](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.config.draft_vocab_size is None else self.d2t[draft_ids]
 
@@ -151,11 +166,12 @@ class DraftModel(nn.Module):
         c = self.config
         B, T, d = features.shape
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = self.fc(torch.cat((F.embedding(token_ids, self.embed), features), -1))
+        x = self._linear("fc", torch.cat((F.embedding(token_ids, self.embed), features), -1), (self.fc.weight,),
+                         self.fc.bias)
         h = F.rms_norm(x, (d,), self.input_norm, c.rms_norm_eps)
-        q = self.q_proj(h).view(B, T, H, D)
-        k = self.k_proj(h).view(B, T, Hkv, D)
-        v = self.v_proj(h).view(B, T, Hkv, D)
+        q, k, v = self._linear("qkv", h, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).split(
+            (H * D, Hkv * D, Hkv * D), -1)
+        q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         cos = self.rope_cos[position_ids].unsqueeze(-2)  # [T, 1, D]
         sin = self.rope_sin[position_ids].unsqueeze(-2)
         half = D // 2
@@ -177,7 +193,8 @@ class DraftModel(nn.Module):
                 attn_mask = torch.cat((torch.ones(T, past, dtype=torch.bool),
                                        torch.ones(T, T, dtype=torch.bool).tril_()), 1)
             o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask, enable_gqa=gqa)
-        return x + self.o_proj(o.transpose(1, 2).reshape(B, T, H * D))  # residual after attention
+        # residual after attention
+        return x + self._linear("o", o.transpose(1, 2).reshape(B, T, H * D), (self.o_proj.weight,))
 
     def heads(self, r: torch.Tensor) -> DraftOutput:
         """The per-row half of ``forward``: experts (or the dense MLP), router, blend and
@@ -186,11 +203,13 @@ class DraftModel(nn.Module):
         lead, d = r.shape[:-1], r.shape[-1]
         m = F.rms_norm(r, (d,), self.post_norm, c.rms_norm_eps)
         if c.method == "eagle2":
-            gate, up = F.linear(m, self.gate_up[0]).chunk(2, dim=-1)
-            out = r + F.linear(F.silu(gate) * up, self.down[0])
+            out = r + self._expert(0, m)
             return DraftOutput(out.unsqueeze(-2), r.new_ones(*lead, 1), out, None)
-        gate, up = torch.einsum("...d,nfd->...nf", m, self.gate_up).chunk(2, dim=-1)
-        experts = torch.einsum("...ni,ndi->...nd", F.silu(gate) * up, self.down)  # [..., N, d]
+        if self.training or torch.is_grad_enabled():
+            gate, up = torch.einsum("...d,nfd->...nf", m, self.gate_up).chunk(2, dim=-1)
+            experts = torch.einsum("...ni,ndi->...nd", F.silu(gate) * up, self.down)  # [..., N, d]
+        else:
+            experts = torch.stack([self._expert(n, m) for n in range(c.num_experts)], -2)
         router_probs = self.router(m).softmax(-1)  # [..., N]
         top_w, top_i = torch.topk(router_probs, c.experts_per_token, dim=-1)  # [..., K]
         top_w = top_w / top_w.sum(-1, keepdim=True)
@@ -201,3 +220,8 @@ class DraftModel(nn.Module):
             coef = self.con_router(m).softmax(-1).gather(-1, top_i[..., :2])  # [..., 2]: A, B
             contrastive = r + coef[..., :1] * chosen[..., 0, :] - coef[..., 1:] * chosen[..., 1, :]
         return DraftOutput(r.unsqueeze(-2) + chosen, top_w, blend, contrastive)
+
+    def _expert(self, n: int, m: torch.Tensor) -> torch.Tensor:
+        """Expert ``n``'s MLP (the dense MLP for eagle2) on normalised rows m [..., d]."""
+        gate, up = self._linear(f"gate_up{n}", m, (self.gate_up[n],)).chunk(2, dim=-1)
+        return self._linear(f"down{n}", F.silu(gate) * up, (self.down[n],))
