@@ -134,11 +134,13 @@ def tree_budget(depth: int | None = None, top_k: int | None = None,
 def load(target: str | None = None, draft: str | None = None, method: str | None = None,
          depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
          candidate_mode: str | None = None, parallel_decoding: bool | None = None,
-         cache_dir: str | None = None, adaptive: bool = True, tree: str | None = None) -> Jakiro:
+         cache_dir: str | None = None, adaptive: bool = True, tree: str | None = None,
+         quantized: bool | None = None) -> Jakiro:
     """Load a target (default: SmolLM2-135M-Instruct) and set up ``method`` (default: the draft's
     method when a draft is given, else plain decoding). ``adaptive=False`` keeps the draft's
     fixed tree every cycle; ``tree="static:eagle1"`` (a preset or a JSON file of paths) drafts a
-    static tree."""
+    static tree. ``quantized`` (default: ``JAKIRO_QUANTIZED``): a target converted from a GGUF
+    file streams its quantized blocks in decoding steps and trees (``models.quant``)."""
     from .models.hub import resolve_target
     from .models.target import TargetModel
 
@@ -149,7 +151,7 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     budget = tree_budget(depth, top_k, total_tokens)
     check_method_options(method, budget, tree)  # before the target loads: bad options fail fast
     path = resolve_target(target, cache_dir)
-    model = TargetModel.from_folder(path)
+    model = TargetModel.from_folder(path, quantized=quantized)
     jk = Jakiro(model, load_tokenizer(path), path)
     jk.add_method(method, draft, budget, candidate_mode, parallel_decoding,
                   cache_dir=cache_dir, adaptive=adaptive, tree=tree)

@@ -353,6 +353,14 @@ def test_init_from_another_draft_starts_from_its_weights(tmp_path, tiny_setup):
     with pytest.raises(JakiroError, match=r"different draft \(differs in: .*method"):
         Trainer(config(tmp_path / "third", data, method="eagle2", init_from=str(tmp_path / "first")), target,
                 progress=False)
+    # the same model converted on another machine has another cache folder in its name
+    path = tmp_path / "first" / "config.json"
+    saved = json.loads(path.read_text())
+    saved["jakiro"]["target_name"] += "-elsewhere"
+    path.write_text(json.dumps(saved))
+    fourth = Trainer(config(tmp_path / "fourth", data, unroll=1, init_from=str(tmp_path / "first")), target,
+                     progress=False)
+    assert torch.equal(weights(fourth)["fc.weight"], weights(first)["fc.weight"])
 
 
 def test_warmup_beyond_steps_and_resume_beyond_steps_are_refused(tmp_path, tiny_setup):

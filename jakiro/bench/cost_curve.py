@@ -17,14 +17,15 @@ PROMPT = "Write a detailed, step by step explanation of how a refrigerator keeps
 
 
 def weight_bytes(target) -> int:
-    """Bytes of weights one forward streams (every matrix and norm once; the LM head once)."""
-    total = target.norm.numel()  # the embedding is only gathered from: one row per token
+    """Bytes of weights one forward of a few rows streams (every matrix and norm once; the LM
+    head once; GGUF blocks where the quantized kernel streams those)."""
+    size = target.embed.element_size()
+    total = target.norm.numel() * size  # the embedding is only gathered from: one row per token
     for layer in target.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            total += lin.numel
-        total += layer.input_norm.numel() + layer.post_norm.numel()
-    total += target.lm_head.numel
-    return total * target.embed.element_size()
+            total += lin.streamed_bytes if size == 4 else lin.numel * size
+        total += (layer.input_norm.numel() + layer.post_norm.numel()) * size
+    return total + (target.lm_head.streamed_bytes if size == 4 else target.lm_head.numel * size)
 
 
 def memory_floor_ms(nbytes: int, repeats: int) -> float:
@@ -131,6 +132,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         "target": jk.target_path,
         "threads": torch.get_num_threads(),
         "small_batch_kernel": smallgemm.status(),
+        "quantized_matrices": jk.target.quantized_matrices,
         "context": context,
         "weights_mb": round(nbytes / 1e6, 1),
         "memory_floor_ms": round(floor, 2),

@@ -85,4 +85,10 @@ def resolve_target(target: str | None = None, cache: str | None = None) -> str:
     if not os.path.exists(os.path.join(out_dir, "config.json")):
         os.makedirs(os.path.dirname(out_dir), exist_ok=True)
         convert_gguf(gguf, out_dir)
+    from .quant import SOURCE_FILE, record_source
+    if not os.path.exists(os.path.join(out_dir, SOURCE_FILE)):  # folders converted before it was noted
+        try:
+            record_source(out_dir, gguf)
+        except OSError:  # a read-only cache: the float32 weights still serve
+            pass
     return out_dir

@@ -33,21 +33,29 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 class FastLinear:
     """y = x @ W^T (+ b) for x [rows, in]."""
 
-    __slots__ = ("weight", "weight_t", "packed", "small", "bias", "out_features")
+    __slots__ = ("weight", "weight_t", "packed", "small", "quantized", "bias", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False,
+                 quantized: tuple[str, torch.Tensor] | None = None):
+        """``quantized``: (kind, blocks) of the same matrix in GGUF blocks (``models.quant``),
+        streamed instead of the float32 weight for up to ``SMALL_ROWS`` rows."""
         # the plain [out, in] matrix is kept only where a caller needs it (the LM head, which
         # drafts reuse); a layer keeps two layouts of its weight, one per kernel it uses
         self.weight = weight if keep_weight else None
         self.out_features = weight.shape[0]
         use_small = weight.dtype == torch.float32 and smallgemm.available()
-        self.small = smallgemm.pack(weight) if use_small else None
+        self.quantized = quantized if use_small else None
+        self.small = smallgemm.pack(weight) if use_small and quantized is None else None
         self.packed = _pack(weight)
-        self.weight_t = None if self.small is not None and self.packed is not None else weight.t().contiguous()
+        small_path = self.small is not None or self.quantized is not None
+        self.weight_t = None if small_path and self.packed is not None else weight.t().contiguous()
         self.bias = None if bias is None else bias.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.quantized is not None and rows <= SMALL_ROWS:
+            y = smallgemm.quantized_linear(x, *self.quantized)
+            return y if self.bias is None else y.add_(self.bias)
         if self.small is not None and rows <= SMALL_ROWS:
             return smallgemm.linear(x, self.small, self.out_features, self.bias)
         if rows > 1 and self.packed is not None:
@@ -57,7 +65,17 @@ class FastLinear:
         return torch.addmm(self.bias, x, self.weight_t)
 
     @property
+    def streamed_bytes(self) -> int:
+        """Bytes of weight (and bias) a forward of a few rows reads."""
+        bias = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
+        if self.quantized is not None:
+            return self.quantized[1].numel() + bias
+        return self.numel * 4
+
+    @property
     def numel(self) -> int:
         """Parameters of the layer (weight and bias)."""
-        return self.out_features * (self.small.shape[1] if self.small is not None else self.weight_t.shape[0]) + (
+        inputs = (self.small.shape[1] if self.small is not None else self.quantized[1].shape[1] * 32
+                  if self.quantized is not None else self.weight_t.shape[0])
+        return self.out_features * inputs + (
             self.bias.numel() if self.bias is not None else 0)

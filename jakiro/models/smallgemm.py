@@ -91,3 +91,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.jakiro_smallgemm.linear(x, packed, out_features, bias)
+
+
+def quantized_linear(x: torch.Tensor, kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """x @ W^T for W in GGUF blocks packed by ``quant.pack_blocks`` (kind ``q4_1`` or ``q8_0``)."""
+    op = torch.ops.jakiro_smallgemm.q4_1_linear if kind == "q4_1" else torch.ops.jakiro_smallgemm.q8_0_linear
+    return op(x, blocks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -117,8 +118,11 @@ class TargetModel:
     """A Llama-family model with a tree-attention forward. Float32 on CPU by default."""
 
     def __init__(self, hf_config, state: dict[str, torch.Tensor], name: str = "",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, quantized: dict | None = None):
+        """``quantized``: {state key: (kind, blocks)} of matrices also held in GGUF blocks
+        (``models.quant``), which the small-batch kernel streams instead of float32."""
         self.hf_config = hf_config
+        self.quantized_matrices = 0
         self.config = cfg = TargetConfig.from_hf(hf_config, name)
         self.dtype = dtype
         prefix = "model." if any(k.startswith("model.") for k in state) else ""
@@ -130,6 +134,14 @@ class TargetModel:
                 raise JakiroError(f"missing weight {full!r} in target checkpoint")
             used.add(full)
             return state[full].to(dtype)
+
+        def blocks(*keys: str):
+            from .quant import concatenated
+            if not quantized or dtype != torch.float32:
+                return None
+            found = concatenated([quantized.get(prefix + k if not k.startswith("lm_head") else k) for k in keys])
+            self.quantized_matrices += len(keys) if found is not None else 0
+            return found
 
         self.embed = take("embed_tokens.weight").contiguous()  # [vocab, d]
         if self.embed.shape != (cfg.vocab_size, cfg.hidden_size):
@@ -144,21 +156,22 @@ class TargetModel:
             qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
             qkv_b = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
                      if cfg.qkv_bias else None)
-            layer.qkv = FastLinear(qkv_w, qkv_b)
-            layer.o = FastLinear(take(p + "self_attn.o_proj.weight"))
+            layer.qkv = FastLinear(qkv_w, qkv_b, quantized=blocks(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")))
+            layer.o = FastLinear(take(p + "self_attn.o_proj.weight"), quantized=blocks(p + "self_attn.o_proj.weight"))
             layer.gate_up = FastLinear(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                  take(p + "mlp.up_proj.weight")], 0))
-            layer.down = FastLinear(take(p + "mlp.down_proj.weight"))
+                                                  take(p + "mlp.up_proj.weight")], 0),
+                                       quantized=blocks(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+            layer.down = FastLinear(take(p + "mlp.down_proj.weight"), quantized=blocks(p + "mlp.down_proj.weight"))
             layer.q_norm = take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None
             layer.k_norm = take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None
             self.layers.append(layer)
         self.norm = take("norm.weight")
         if "lm_head.weight" in state and not cfg.tie_word_embeddings:
-            head = take("lm_head.weight")
+            head, head_blocks = take("lm_head.weight"), blocks("lm_head.weight")
         else:
             used.add("lm_head.weight")
-            head = self.embed
-        self.lm_head = FastLinear(head, keep_weight=True)
+            head, head_blocks = self.embed, blocks("embed_tokens.weight")
+        self.lm_head = FastLinear(head, keep_weight=True, quantized=head_blocks)
         unexpected = [k for k in state if k not in used and "rotary_emb" not in k]
         if unexpected:
             raise JakiroError(f"unexpected weights in target checkpoint: {', '.join(unexpected[:5])}"
@@ -169,7 +182,10 @@ class TargetModel:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_folder(cls, folder: str, dtype: torch.dtype = torch.float32) -> "TargetModel":
+    def from_folder(cls, folder: str, dtype: torch.dtype = torch.float32,
+                    quantized: bool | None = None) -> "TargetModel":
+        """``quantized`` (default: ``JAKIRO_QUANTIZED``): stream the GGUF blocks of a model
+        converted from a GGUF file, where the small-batch kernel is available."""
         if not os.path.isdir(folder):
             raise JakiroError(f"model folder not found: {folder}")
         if not os.path.exists(os.path.join(folder, "config.json")):
@@ -180,8 +196,12 @@ class TargetModel:
         except Exception as exc:
             raise JakiroError(f"cannot read {os.path.join(folder, 'config.json')}: {exc}") from None
         TargetConfig.from_hf(hf_config)  # fail on the architecture before reading weights
-        return cls(hf_config, _load_state_dict(folder), name=os.path.basename(os.path.normpath(folder)),
-                   dtype=dtype)
+        from . import quant, smallgemm
+        state = _load_state_dict(folder)
+        blocks = None
+        if (quant.enabled() if quantized is None else quantized) and dtype == torch.float32 and smallgemm.available():
+            blocks = quant.load_blocks(folder, state, hf_config, log=lambda msg: print(f"[jakiro] {msg}", file=sys.stderr))
+        return cls(hf_config, state, name=os.path.basename(os.path.normpath(folder)), dtype=dtype, quantized=blocks)
 
     def new_cache(self, max_len: int, scratch: int = 0) -> KVCache:
         """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the

@@ -233,10 +233,12 @@ class Trainer:
 
     def _init_from(self, path: str, target) -> None:
         """Start from another draft's weights (e.g. single-step training continued unrolled)."""
-        init = load_draft(path, target)
+        init = load_draft(path, target)  # checks it fits the target (width, vocabulary)
         mine, theirs = self.draft_config.to_json_dict(), init.config.to_json_dict()
+        # the target's name carries the conversion cache's folder hash, which differs between
+        # machines for the same model: the shape check above is what matters
         diff = sorted(k for k in set(mine["jakiro"]) | set(theirs["jakiro"])
-                      if mine["jakiro"].get(k) != theirs["jakiro"].get(k))
+                      if k != "target_name" and mine["jakiro"].get(k) != theirs["jakiro"].get(k))
         if diff:
             raise JakiroError(f"--init-from {path} is a different draft (differs in: {', '.join(diff)})")
         self.model.load_state_dict(init.state_dict())

@@ -1,0 +1,101 @@
+"""Quantized weights: GGUF blocks packed for the small-batch kernel dequantize bitwise to GGUF's
+own float32 values, the kernel computes x @ W^T with them for every row count (a row the same
+alone or in a batch), matrices that do not reproduce the float32 model stay float32, and the
+default target's decoding steps give the float32 path's logits."""
+
+import numpy as np
+import pytest
+import torch
+
+from jakiro.models import quant, smallgemm
+from jakiro.models.linear import SMALL_ROWS, FastLinear
+
+needs_kernel = pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")
+gguf = pytest.importorskip("gguf")
+TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+
+def quantized_matrix(kind: str, rows: int, cols: int, seed: int = 0):
+    """GGUF blocks of a random matrix and GGUF's own dequantization of them."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(w, TYPES[kind])
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, TYPES[kind]).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_packed_blocks_dequantize_bitwise_to_ggufs_values(kind):
+    raw, reference = quantized_matrix(kind, 40, 96)
+    packed = quant.pack_blocks(raw, kind, 40, 96)
+    assert packed.shape == (40, 3, 24 if kind == "q4_1" else 40) and packed.dtype == torch.uint8
+    assert torch.equal(quant.dequantize(packed, kind), reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, SMALL_ROWS, SMALL_ROWS + 3])
+def test_quantized_kernel_matches_the_dequantized_matrix(kind, rows):
+    out, cols = 70, 576  # 70 outputs: 17 groups of four and a pair
+    raw, reference = quantized_matrix(kind, out, cols, seed=rows)
+    packed = quant.pack_blocks(raw, kind, out, cols)
+    bias = torch.randn(out)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    layer = FastLinear(reference, bias, quantized=(kind, packed))
+    got = layer(x)
+    expected = torch.nn.functional.linear(x.double(), reference.double(), bias.double()).float()
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-5)
+    assert layer.streamed_bytes == packed.numel() + out * 4
+    if rows <= SMALL_ROWS:  # a row's result does not depend on the rows that come with it
+        assert torch.equal(layer(x[-1:]), got[-1:])
+
+
+def test_matrices_that_do_not_reproduce_the_model_stay_float32(tmp_path):
+    from types import SimpleNamespace
+    raw_v, v = quantized_matrix("q4_1", 64, 64, seed=1)
+    raw_o, o = quantized_matrix("q8_0", 64, 64, seed=2)
+    raw_q, q = quantized_matrix("q4_1", 64, 64, seed=3)
+    path = str(tmp_path / "m.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    for name, raw in (("blk.0.attn_v.weight", raw_v), ("blk.0.attn_output.weight", raw_o),
+                      ("blk.0.attn_q.weight", raw_q)):
+        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=TYPES["q4_1" if raw is not raw_o else "q8_0"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # GGUF's Llama converter reorders Q's rows (heads, pairs); transformers undoes it on loading
+    order = torch.from_numpy(quant._llama_row_order(64, 4))
+    state = {"model.layers.0.self_attn.v_proj.weight": v,
+             "model.layers.0.self_attn.o_proj.weight": o + 1e-3,  # not what the blocks hold
+             "model.layers.0.self_attn.q_proj.weight": q[order]}
+    messages = []
+    blocks = quant.build(path, state, SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), messages.append)
+    assert sorted(blocks) == ["model.layers.0.self_attn.q_proj.weight::q4_1",
+                              "model.layers.0.self_attn.v_proj.weight::q4_1"]
+    assert torch.equal(quant.dequantize(blocks["model.layers.0.self_attn.q_proj.weight::q4_1"], "q4_1"), q[order])
+    assert len(messages) == 1 and "o_proj" in messages[0] and "stay float32" in messages[0]
+
+
+@needs_kernel
+def test_default_target_quantized_decoding_steps_match_float32(smol):
+    from jakiro.models.target import TargetModel
+    model = TargetModel.from_folder(smol.target_path, quantized=True)
+    assert model.quantized_matrices == 7 * model.config.num_layers + 1  # every matrix and the tied head
+    ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome."))
+    caches = [m.new_cache(len(ids) + 16, scratch=8) for m in (smol.target, model)]
+    for m, cache in zip((smol.target, model), caches):
+        m(ids, cache)  # the prompt's prefill runs the float32 weights in both
+        cache.commit(len(ids))
+    token = torch.tensor([int(ids[-1])])
+    for _ in range(12):
+        (a, fa), (b, fb) = (m(token, c) for m, c in zip((smol.target, model), caches))
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fb, fa, atol=1e-4, rtol=1e-4)
+        assert int(b.argmax()) == int(a.argmax())
+        token = a.argmax(-1)
+        for c in caches:
+            c.commit(1)
+    tree = torch.tensor([int(token), 5, 6, 7])
+    mask = torch.ones(4, 4, dtype=torch.bool).tril_()
+    positions = torch.arange(caches[0].length, caches[0].length + 4)
+    (a, _), (b, _) = (m(tree, c, positions, mask) for m, c in zip((smol.target, model), caches))
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
