@@ -79,7 +79,7 @@ class Jakiro:
                 raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
             explicit = budget is not None or static is not None
             if budget is None and static is None:
-                record = load_tuning(draft, cache_dir)
+                record = load_tuning(draft, cache_dir, quantized=self.target.quantized_matrices > 0)
                 tuned = record["best"] if record else None
                 budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
                 if tuned and parallel_decoding is None:

@@ -120,6 +120,15 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
         assert jakiro.load(tiny_chat_target, tiny_draft, cache_dir=str(tmp_path / "cache")).engine().tuned is None
     finally:
         torch.set_num_threads(threads)
+    # ... and for the weights the target streams: quantized weights cost otherwise
+    from jakiro.draft.tuning import tuning_path
+    from jakiro.models import smallgemm
+    assert tuning_path(tiny_draft, str(tmp_path / "cache")) == result["saved_to"]
+    if smallgemm.available():  # without the kernel nothing streams quantized weights
+        assert tuning_path(tiny_draft, str(tmp_path / "cache"), quantized=True) != result["saved_to"]
+    monkeypatch.setenv("JAKIRO_QUANTIZED", "1")
+    assert tuning_path(tiny_draft, str(tmp_path / "cache")) == tuning_path(tiny_draft, str(tmp_path / "cache"),
+                                                                          quantized=True)
 
 
 def test_interrupted_tune_keeps_the_best_tree_so_far(tmp_path, tiny_chat_target, tiny_draft, monkeypatch):

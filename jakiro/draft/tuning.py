@@ -1,7 +1,7 @@
 """The tree chosen by ``jakiro tune`` for a draft on this machine: one record per draft weights
 (by content, so a copied or moved draft keeps it and retrained weights do not) and thread count
-(a tree measured with two threads is not the best with one) and linear kernel (the best tree
-depends on what a tree forward costs)."""
+(a tree measured with two threads is not the best with one) and linear kernel, quantized weights
+included (the best tree depends on what a tree forward costs)."""
 
 from __future__ import annotations
 
@@ -24,18 +24,21 @@ def weights_digest(draft: str) -> str:
     return h.hexdigest()[:16]
 
 
-def tuning_path(draft: str, cache: str | None = None, threads: int | None = None) -> str:
-    from ..models import smallgemm
+def tuning_path(draft: str, cache: str | None = None, threads: int | None = None,
+                quantized: bool | None = None) -> str:
+    """``quantized``: whether the target streams quantized weights (default: ``JAKIRO_QUANTIZED``)."""
+    from ..models import quant, smallgemm
     threads = threads or torch.get_num_threads()
-    kernel = "smallgemm" if smallgemm.available() else "torch"
+    quantized = quant.enabled() if quantized is None else quantized
+    kernel = ("quantized" if quantized else "smallgemm") if smallgemm.available() else "torch"
     return os.path.join(cache_dir(cache), "tuning", f"{weights_digest(draft)}-{threads}threads-{kernel}.json")
 
 
-def load_tuning(draft: str, cache: str | None = None) -> dict | None:
+def load_tuning(draft: str, cache: str | None = None, quantized: bool | None = None) -> dict | None:
     """The saved record for this draft at the current thread count (with ``path`` added), if any."""
     if draft is None or not os.path.exists(os.path.join(draft, "model.safetensors")):
         return None
-    path = tuning_path(draft, cache)
+    path = tuning_path(draft, cache, quantized=quantized)
     if not os.path.exists(path):
         return None
     try:
