@@ -99,3 +99,8 @@ def test_default_target_quantized_decoding_steps_match_float32(smol):
     positions = torch.arange(caches[0].length, caches[0].length + 4)
     (a, _), (b, _) = (m(tree, c, positions, mask) for m, c in zip((smol.target, model), caches))
     torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    # bench-cost --quantized --compare-kernels: the quantized, float32 and torch kernels side by side
+    from jakiro.bench.cost_curve import kernel_comparison, weight_bytes
+    report = kernel_comparison(model, smol.target_path, context=8, repeats=1, rounds=1)
+    assert set(report) == {"quantized", "small_batch", "torch", "torch_over_small_batch", "small_batch_over_quantized"}
+    assert weight_bytes(model) < weight_bytes(smol.target) / 4  # Q4_1 layers and a Q8_0 head

@@ -78,19 +78,31 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
 
 def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int, rounds: int = 3) -> dict:
     """Forward costs with the small-batch kernel (``with_kernel``, a loaded target) and with
-    torch's kernels (a second copy), measured alternately (machine drift hits both alike);
-    medians over ``rounds``."""
+    torch's kernels (a second copy), and where ``with_kernel`` streams quantized weights also
+    with the kernel on float32 weights (a third), measured alternately (machine drift hits all
+    alike); medians over ``rounds``."""
     from ..models.target import TargetModel
+    models = {}
+    if with_kernel.quantized_matrices:
+        models["quantized"] = with_kernel
+        models["small_batch"] = TargetModel.from_folder(target_path, quantized=False)
+    else:
+        models["small_batch"] = with_kernel
     with smallgemm.disabled():
-        without = TargetModel.from_folder(target_path)
-    runs: dict[str, list[dict]] = {"small_batch": [], "torch": []}
+        models["torch"] = TargetModel.from_folder(target_path, quantized=False)
+    runs: dict[str, list[dict]] = {name: [] for name in models}
     for _ in range(rounds):
-        runs["small_batch"].append(forward_costs(with_kernel, context, repeats))
-        runs["torch"].append(forward_costs(without, context, repeats))
+        for name, model in models.items():
+            runs[name].append(forward_costs(model, context, repeats))
     medians = {name: {n: statistics.median(r[n] for r in rs) for n in rs[0]} for name, rs in runs.items()}
-    return {name: {str(n): round(ms, 2) for n, ms in m.items()} for name, m in medians.items()} | {
-        "torch_over_small_batch": {str(n): round(medians["torch"][n] / medians["small_batch"][n], 2)
-                                   for n in medians["torch"]}}
+
+    def ratio(a: str, b: str) -> dict:
+        return {str(n): round(medians[a][n] / medians[b][n], 2) for n in medians[a]}
+    out = {name: {str(n): round(ms, 2) for n, ms in m.items()} for name, m in medians.items()}
+    out["torch_over_small_batch"] = ratio("torch", "small_batch")
+    if "quantized" in medians:
+        out["small_batch_over_quantized"] = ratio("small_batch", "quantized")
+    return out
 
 
 def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int, repeats: int,
