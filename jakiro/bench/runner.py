@@ -13,6 +13,7 @@ import torch
 
 from ..errors import JakiroError
 from ..methods import METHODS
+from ..models import quant
 from ..data.questions import read_questions
 
 HF_METHODS = ("hf", "hf-pld")
@@ -188,6 +189,8 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
     number of questions per category may change: a run can be extended to more questions later."""
     settings = {k: v for k, v in cfg.__dict__.items() if k not in ("out", "limit_per_category")}
     settings["threads"] = torch.get_num_threads()
+    if quant.enabled():  # (absent otherwise, as in runs recorded before the option existed)
+        settings["quantized_weights"] = True
     settings = json.loads(json.dumps(settings))  # as it reads back from run.json
     run_path = os.path.join(cfg.out, RUN)
     records: dict[str, list[dict]] = {m: [] for m in cfg.methods}
@@ -246,7 +249,7 @@ def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
     categories = sorted({r["category"] for r in records["ar"]})
     ar_turns = {(r["question_id"], i): t for r in records["ar"] for i, t in enumerate(r["turns"])}
     result = {"config": {k: v for k, v in cfg.__dict__.items()}, "threads": torch.get_num_threads(),
-              "methods": {}}
+              "quantized_weights": quant.enabled(), "methods": {}}
     for m, rows in records.items():
         per_cat = {}
         for cat in categories + ["all"]:
