@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..decoding.costs import forward_costs, median_ms
+from ..decoding.costs import forward_costs, median_ms, prefilled_cache
 from ..models import smallgemm
 
 PROMPT = "Write a detailed, step by step explanation of how a refrigerator keeps food cold."
@@ -37,7 +37,8 @@ def memory_floor_ms(nbytes: int, repeats: int) -> float:
 
 def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> dict:
     """For the shipped ``method`` draft: one draft step over ``nodes`` frontier nodes (the draft
-    forward plus its head), and one whole proposal with the draft's default tree."""
+    forward plus its head), repeated on its own and each time right after a target forward (as
+    in decoding), and one whole proposal with the draft's default tree."""
     from ..api import shipped_draft
     from ..decoding.proposers import DraftProposer, TreeBudget
     from ..draft import load_draft
@@ -59,6 +60,17 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
             out = draft(feats, toks, positions, cache, mask)
             return draft.head_logits(out.blend)
         step_ms = median_ms(step, repeats)
+        # in decoding a target forward runs between draft steps and pushes the draft's weights
+        # out of the caches: the same step, each time right after a one-token target forward
+        target_cache = prefilled_cache(jk.target, context, 1)
+        one = torch.tensor([7])
+        times = []
+        for _ in range(repeats + 1):
+            jk.target(one, target_cache)
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        step_cold_ms = statistics.median(times[1:]) * 1000
 
     proposer = DraftProposer(draft, TreeBudget())
     proposer.start(context + 4 * repeats + 64)
@@ -70,7 +82,7 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
         proposer.observe(torch.randn(1, d, generator=gen), torch.tensor([7]))
         proposer.propose(ids)
     return {"draft": shipped_draft(method), "head_vocab": draft.config.draft_vocab_size,
-            "step_ms": round(step_ms, 2), "step_nodes": nodes,
+            "step_ms": round(step_ms, 2), "step_after_target_ms": round(step_cold_ms, 2), "step_nodes": nodes,
             "propose_ms": round(median_ms(cycle, repeats), 2),
             "tree": {"depth": proposer.budget.depth, "top_k": proposer.budget.top_k,
                      "total_tokens": proposer.budget.total_tokens}}
@@ -119,6 +131,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
               if target_path is None and shipped_draft(m)}
     for d in drafts.values():
         d["step_x_t1"] = round(d["step_ms"] / costs[1], 3)
+        d["step_after_target_x_t1"] = round(d["step_after_target_ms"] / costs[1], 3)
         d["propose_x_t1"] = round(d["propose_ms"] / costs[1], 3)
     engine = jk.engine("ar")
     ids = engine.encode(PROMPT)
