@@ -23,9 +23,9 @@ def weight_bytes(target) -> int:
     total = target.norm.numel() * size  # the embedding is only gathered from: one row per token
     for layer in target.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            total += lin.streamed_bytes if size == 4 else lin.numel * size
+            total += lin.streamed_bytes
         total += (layer.input_norm.numel() + layer.post_norm.numel()) * size
-    return total + (target.lm_head.streamed_bytes if size == 4 else target.lm_head.numel * size)
+    return total + target.lm_head.streamed_bytes
 
 
 def memory_floor_ms(nbytes: int, repeats: int) -> float:
@@ -64,13 +64,7 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
         # out of the caches: the same step, each time right after a one-token target forward
         target_cache = prefilled_cache(jk.target, context, 1)
         one = torch.tensor([7])
-        times = []
-        for _ in range(repeats + 1):
-            jk.target(one, target_cache)
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        step_cold_ms = statistics.median(times[1:]) * 1000
+        step_cold_ms = median_ms(step, repeats, warmup=1, before=lambda: jk.target(one, target_cache))
 
     proposer = DraftProposer(draft, TreeBudget())
     proposer.start(context + 4 * repeats + 64)

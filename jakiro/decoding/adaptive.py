@@ -5,9 +5,8 @@ Two inputs. (a) What things cost on this machine: the target's forward over n tr
 draft proposal of depth d, and how both grow with the context, measured once per loaded engine
 in the order decoding runs them (``measure_costs``). (b) How well the draft predicts *this*
 request: the share of drafted cycles whose accepted path reached depth i (recent cycles weigh
-more: FORGET), and a calibration of
-the draft's path probabilities (EAGLE-2 scores are products of draft probabilities,
-over-confident for a weak draft) against the nodes actually accepted.
+more: FORGET), and a calibration of the draft's path probabilities (EAGLE-2 scores are products
+of draft probabilities, over-confident for a weak draft) against the nodes actually accepted.
 
 Per cycle: the depth d (0 = plain step) maximises expected committed tokens per millisecond,
 E(d) / (t(n_d) + draft(d)) with E(d) = 1 + sum_{i<=d} P(path reaches depth i), both costs at the
@@ -23,13 +22,11 @@ Verification is untouched: any tree chosen before the target's forward keeps dec
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .costs import forward_ms, prefilled_cache
+from .costs import forward_ms, median_ms, prefilled_cache
 from .proposers import DraftProposer, PromptLookupProposer, Proposer
 from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree
 
@@ -133,18 +130,11 @@ def _draft_costs(target, cache, proposer: DraftProposer, context: int, depths, r
     proposer.start(context + (len(depths) * (repeats + 1) + 1) * 2 + proposer.budget.depth + 8)
     proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [ids[0]]))
     proposer.propose(ids, depth=1)
-    out = {}
-    for depth in depths:
-        times = []
-        for r in range(repeats + 1):
-            target(step, cache)  # evicts the draft's weights from the caches, as verification does
-            proposer.observe(torch.randn(2, d, generator=gen), torch.tensor(ids[:2]))
-            t0 = time.perf_counter()
-            proposer.propose(ids, depth=depth)
-            if r:  # the first is a warm-up
-                times.append(time.perf_counter() - t0)
-        out[depth] = statistics.median(times) * 1000
-    return out
+    def after_a_cycle():
+        target(step, cache)  # evicts the draft's weights from the caches, as verification does
+        proposer.observe(torch.randn(2, d, generator=gen), torch.tensor(ids[:2]))
+    return {depth: median_ms(lambda: proposer.propose(ids, depth=depth), repeats, warmup=1, before=after_a_cycle)
+            for depth in depths}
 
 
 class AdaptiveProposer(Proposer):

@@ -11,15 +11,18 @@ import torch
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def median_ms(fn, repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn`` in milliseconds, after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
+def median_ms(fn, repeats: int, warmup: int = 2, before=None) -> float:
+    """Median wall time of ``fn`` in milliseconds, after ``warmup`` untimed calls; ``before``,
+    if given, runs untimed ahead of every call (e.g. a target forward that evicts a draft's
+    weights from the caches, as in decoding)."""
     times = []
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1000
 
 

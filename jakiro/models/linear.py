@@ -33,7 +33,8 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 class FastLinear:
     """y = x @ W^T (+ b) for x [rows, in]."""
 
-    __slots__ = ("weight", "weight_t", "packed", "small", "quantized", "bias", "out_features")
+    __slots__ = ("weight", "weight_t", "packed", "small", "quantized", "bias", "out_features", "in_features",
+                 "element_size")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False,
                  quantized: tuple[str, torch.Tensor] | None = None):
@@ -42,7 +43,8 @@ class FastLinear:
         # the plain [out, in] matrix is kept only where a caller needs it (the LM head, which
         # drafts reuse); a layer keeps two layouts of its weight, one per kernel it uses
         self.weight = weight if keep_weight else None
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+        self.element_size = weight.element_size()
         use_small = weight.dtype == torch.float32 and smallgemm.available()
         self.quantized = quantized if use_small else None
         self.small = smallgemm.pack(weight) if use_small and quantized is None else None
@@ -67,15 +69,11 @@ class FastLinear:
     @property
     def streamed_bytes(self) -> int:
         """Bytes of weight (and bias) a forward of a few rows reads."""
-        bias = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
-        if self.quantized is not None:
-            return self.quantized[1].numel() + bias
-        return self.numel * 4
+        if self.quantized is None:
+            return self.numel * self.element_size
+        return self.quantized[1].numel() + (self.bias.numel() * self.element_size if self.bias is not None else 0)
 
     @property
     def numel(self) -> int:
         """Parameters of the layer (weight and bias)."""
-        inputs = (self.small.shape[1] if self.small is not None else self.quantized[1].shape[1] * 32
-                  if self.quantized is not None else self.weight_t.shape[0])
-        return self.out_features * inputs + (
-            self.bias.numel() if self.bias is not None else 0)
+        return self.out_features * self.in_features + (self.bias.numel() if self.bias is not None else 0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -128,8 +127,11 @@ class TargetModel:
         prefix = "model." if any(k.startswith("model.") for k in state) else ""
         used: set[str] = set()
 
+        def full_key(key: str) -> str:
+            return prefix + key if not key.startswith("lm_head") else key
+
         def take(key: str) -> torch.Tensor:
-            full = prefix + key if not key.startswith("lm_head") else key
+            full = full_key(key)
             if full not in state:
                 raise JakiroError(f"missing weight {full!r} in target checkpoint")
             used.add(full)
@@ -139,7 +141,7 @@ class TargetModel:
             from .quant import concatenated
             if not quantized or dtype != torch.float32:
                 return None
-            found = concatenated([quantized.get(prefix + k if not k.startswith("lm_head") else k) for k in keys])
+            found = concatenated([quantized.get(full_key(k)) for k in keys])
             self.quantized_matrices += len(keys) if found is not None else 0
             return found
 
@@ -197,10 +199,11 @@ class TargetModel:
             raise JakiroError(f"cannot read {os.path.join(folder, 'config.json')}: {exc}") from None
         TargetConfig.from_hf(hf_config)  # fail on the architecture before reading weights
         from . import quant, smallgemm
+        from .hub import _log
         state = _load_state_dict(folder)
         blocks = None
         if (quant.enabled() if quantized is None else quantized) and dtype == torch.float32 and smallgemm.available():
-            blocks = quant.load_blocks(folder, state, hf_config, log=lambda msg: print(f"[jakiro] {msg}", file=sys.stderr))
+            blocks = quant.load_blocks(folder, state, hf_config, log=_log)
         return cls(hf_config, state, name=os.path.basename(os.path.normpath(folder)), dtype=dtype, quantized=blocks)
 
     def new_cache(self, max_len: int, scratch: int = 0) -> KVCache:

@@ -163,7 +163,7 @@ inline void dequant(const uint8_t* blk, vf& lo, vf& hi) {
   std::memcpy(&d, blk, 4);
   std::memcpy(&m, blk + 4, 4);
 #if defined(__AVX512F__)
-  // the generic form below compiles to a much slower byte widening here
+  // the generic form (#else) compiles to a much slower byte widening here
   const __m512 dv = _mm512_set1_ps(d);
   if (Q4) {
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8)));
@@ -176,8 +176,7 @@ inline void dequant(const uint8_t* blk, vf& lo, vf& hi) {
     hi = (vf)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 24)))), dv);
   }
-  return;
-#endif
+#else
   if (Q4) {
     v16b raw;
     std::memcpy(&raw, blk + 8, 16);
@@ -191,6 +190,7 @@ inline void dequant(const uint8_t* blk, vf& lo, vf& hi) {
     lo = __builtin_convertvector(__builtin_convertvector(a, vi), vf) * d;
     hi = __builtin_convertvector(__builtin_convertvector(b, vi), vf) * d;
   }
+#endif
 }
 
 // rows x[0..RR) against weight rows w[0..NN) (each nb blocks); y[r][j] for j < NN. Each block
