@@ -34,7 +34,7 @@ def test_packed_blocks_dequantize_bitwise_to_ggufs_values(kind):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, SMALL_ROWS, SMALL_ROWS + 3])
 def test_quantized_kernel_matches_the_dequantized_matrix(kind, rows):
-    out, cols = 70, 576  # 70 outputs: 17 groups of four and a pair
+    out, cols = 70, 576  # 70 outputs: six spans of 12 rows, the last two groups one row short
     raw, reference = quantized_matrix(kind, out, cols, seed=rows)
     packed = quant.pack_blocks(raw, kind, out, cols)
     bias = torch.randn(out)

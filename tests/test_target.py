@@ -9,6 +9,7 @@ import torch
 from helpers import make_tiny_target
 from jakiro.decoding.tree import build_tree
 from jakiro.errors import JakiroError
+from jakiro.models import smallgemm
 from jakiro.models.kv_cache import KVCache
 from jakiro.models.target import TargetModel
 
@@ -73,6 +74,52 @@ def test_tree_branches_match_decoding_each_branch_alone(tiny_llama_dir):
         ref_logits, ref_feats = model(tree.tokens[path], alone)
         torch.testing.assert_close(logits[path], ref_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(feats[path], ref_feats, atol=1e-5, rtol=1e-5)
+
+
+needs_kernel = pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fused_decoder_stack_matches_torch_operations(tmp_path, model_type):
+    """The one-call decoder stack (trees and decoding steps) against the same model in torch
+    operations: logits, features and the KV entries it writes."""
+    model = TargetModel.from_folder(make_tiny_target(str(tmp_path), model_type))
+    assert model._fused is not None
+    tree = build_tree(torch.tensor([7, 9, 12, 11, 13, 15, 14]), torch.tensor([-1, 0, 0, 1, 2, 1, 4]))
+    outputs = []
+    for fused in (model._fused, None):
+        model._fused = fused
+        cache = model.new_cache(64, scratch=8)
+        model(torch.arange(2, 30), cache)
+        cache.commit(28)
+        logits, feats = model(tree.tokens, cache, cache.length + tree.depths, tree.tree_mask)
+        step, _ = model(torch.tensor([3]), cache)
+        outputs.append((logits, feats, step, cache.data[:, :, :, :, :36].clone()))
+    for got, expected in zip(*outputs):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_tokens_logits_are_bitwise_the_same_in_a_tree_and_decoded_alone(tiny_llama_dir):
+    """Greedy equivalence rests on this: a verified token gets exactly the logits plain decoding
+    gives it (rows never share arithmetic; a row's attention visits its keys in order)."""
+    model = TargetModel.from_folder(tiny_llama_dir)
+    tree = build_tree(torch.tensor([7, 9, 12, 11, 13, 15, 14]), torch.tensor([-1, 0, 0, 1, 2, 1, 4]))
+    prefix = torch.arange(2, 30)
+    cache = model.new_cache(64, scratch=8)
+    model(prefix, cache)
+    cache.commit(len(prefix))
+    tree_logits, _ = model(tree.tokens, cache, cache.length + tree.depths, tree.tree_mask)
+    for path in tree.retrieve_paths:
+        path = path[path >= 0]
+        alone = model.new_cache(64)
+        model(prefix, alone)
+        alone.commit(len(prefix))
+        for index in path.tolist():
+            step, _ = model(tree.tokens[index:index + 1], alone)
+            alone.commit(1)
+            assert torch.equal(step[0], tree_logits[index])
 
 
 def test_keep_compacts_accepted_path_and_next_forward_matches(tiny_llama_dir):

@@ -27,12 +27,16 @@ class KVCache:
         the prefix plus the new entries ([1, kv_heads, length + n, head_dim])."""
         n = k.shape[2]
         end = self.length + n
-        if end > self.max_len:
-            raise ValueError(f"KV cache overflow: {end} entries > capacity {self.max_len}")
+        self.check_room(n)
         layer_kv = self.data[layer]
         layer_kv[0, :, :, self.length:end] = k
         layer_kv[1, :, :, self.length:end] = v
         return layer_kv[0, :, :, :end], layer_kv[1, :, :, :end]
+
+    def check_room(self, n: int) -> None:
+        """Raise unless ``n`` new entries fit after the committed prefix."""
+        if self.length + n > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.length + n} entries > capacity {self.max_len}")
 
     def commit(self, n: int) -> None:
         """Keep all n entries written by the last forward."""

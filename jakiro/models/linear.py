@@ -67,6 +67,11 @@ class FastLinear:
         return torch.addmm(self.bias, x, self.weight_t)
 
     @property
+    def kernel_weight(self) -> torch.Tensor | None:
+        """The weight as the small-batch kernel reads it (packed float32 or GGUF blocks), if any."""
+        return self.quantized[1] if self.quantized is not None else self.small
+
+    @property
     def streamed_bytes(self) -> int:
         """Bytes of weight (and bias) a forward of a few rows reads."""
         if self.quantized is None:

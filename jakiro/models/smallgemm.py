@@ -17,15 +17,20 @@ import sys
 
 import torch
 
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "smallgemm.cpp")
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+SOURCE = os.path.join(CSRC, "smallgemm.cpp")
+MORE_SOURCES = (os.path.join(CSRC, "decoder.cpp"),)  # the fused decoder stack (``decoder_layers``)
+HEADERS = (os.path.join(CSRC, "kernels.h"),)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _state: dict = {}
 
 
 def _build_dir() -> str:
     from .hub import cache_dir
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read())
+    key = hashlib.sha256()
+    for path in (SOURCE, *MORE_SOURCES, *HEADERS):
+        with open(path, "rb") as f:
+            key.update(f.read())
     key.update(" ".join([torch.__version__, sys.version, platform.machine(), *FLAGS, _cpu_flags()]).encode())
     return os.path.join(cache_dir(), "ext", f"smallgemm-{key.hexdigest()[:12]}")
 
@@ -57,7 +62,7 @@ def available() -> bool:
             torch.ops.load_library(library)
         else:
             print("[jakiro] building the small-batch linear kernel for this CPU (once, ~20 s)", file=sys.stderr)
-            load(name="jakiro_smallgemm", sources=[SOURCE], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+            load(name="jakiro_smallgemm", sources=[SOURCE, *MORE_SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                  build_directory=build, is_python_module=False, verbose=False)
         _state["ok"] = True
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels still work
@@ -97,3 +102,10 @@ def quantized_linear(x: torch.Tensor, kind: str, blocks: torch.Tensor) -> torch.
     """x @ W^T for W in GGUF blocks packed by ``quant.pack_blocks`` (kind ``q4_1`` or ``q8_0``)."""
     op = torch.ops.jakiro_smallgemm.q4_1_linear if kind == "q4_1" else torch.ops.jakiro_smallgemm.q8_0_linear
     return op(x, blocks)
+
+
+def decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask, num_heads, num_kv_heads, eps, scale):
+    """The whole decoder stack for a few new tokens in one call (``csrc/decoder.cpp``); see
+    ``TargetModel.forward``."""
+    return torch.ops.jakiro_smallgemm.decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask,
+                                                     num_heads, num_kv_heads, eps, scale)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ..errors import JakiroError
 from .kv_cache import BatchKVCache, KVCache
-from .linear import FastLinear
+from . import smallgemm
+from .linear import SMALL_ROWS, FastLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_SLACK = 256  # positions beyond the context reserved for uncommitted draft-tree tokens
@@ -181,6 +182,22 @@ class TargetModel:
         # tree tokens drafted past the last committable position still need a rotary angle
         self.cos, self.sin = rope_tables(hf_config, cfg.head_dim, cfg.max_context + ROPE_SLACK)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._fused = self._fused_weights()
+
+    def _fused_weights(self) -> tuple[list, list[int]] | None:
+        """The layers' weights as ``smallgemm.decoder_layers`` takes them (nine per layer), where
+        every matrix has a small-batch kernel layout; else None (forwards stay in torch)."""
+        weights, sizes = [], []
+        for layer in self.layers:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if any(lin.kernel_weight is None for lin in linears) or any(
+                    lin.bias is not None for lin in linears[1:]):
+                return None
+            weights += [layer.input_norm, layer.post_norm, layer.qkv.kernel_weight, layer.qkv.bias,
+                        layer.o.kernel_weight, layer.gate_up.kernel_weight, layer.down.kernel_weight,
+                        layer.q_norm, layer.k_norm]
+            sizes += [lin.out_features for lin in linears]
+        return weights, sizes
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -245,6 +262,24 @@ class TargetModel:
         past = cache.length
         if position_ids is None:
             position_ids = torch.arange(past, past + n)
+        if n == 1 and tree_mask is not None and not bool(tree_mask[0, 0]):
+            raise ValueError("a token must attend to itself")
+        x = self.embed[input_ids]  # [n, d]
+        if self._fused is not None and n <= SMALL_ROWS:
+            cache.check_room(n)
+            x = smallgemm.decoder_layers(x, *self._fused, cache.data, past, self.cos[position_ids],
+                                         self.sin[position_ids], tree_mask, cfg.num_heads, cfg.num_kv_heads,
+                                         cfg.rms_norm_eps, self.scale)
+        else:
+            x = self._layers(x, cache, position_ids, tree_mask)
+        features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
+        rows = features if logits_rows is None else features[logits_rows]
+        return self.lm_head(rows), features
+
+    def _layers(self, x: torch.Tensor, cache: KVCache, position_ids: torch.Tensor,
+                tree_mask: torch.Tensor | None) -> torch.Tensor:
+        """The decoder stack in torch operations (prefills, and where the fused one is unavailable)."""
+        n, past = x.shape[0], cache.length
         cos = self.cos[position_ids].unsqueeze(1)  # [n, 1, D]
         sin = self.sin[position_ids].unsqueeze(1)
         attn_mask, is_causal = None, False
@@ -254,16 +289,11 @@ class TargetModel:
             else:
                 new_mask = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
                 attn_mask = torch.cat((torch.ones(n, past, dtype=torch.bool), new_mask), 1)
-        elif tree_mask is not None and not bool(tree_mask[0, 0]):
-            raise ValueError("a token must attend to itself")
-        x = self.embed[input_ids]  # [n, d]
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
             k_all, v_all = cache.write(i, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
             x = self._attention_output_and_mlp(layer, x, self._attend(q, k_all, v_all, attn_mask, is_causal))
-        features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
-        rows = features if logits_rows is None else features[logits_rows]
-        return self.lm_head(rows), features
+        return x
 
     @torch.inference_mode()
     def decode_batch(self, input_ids: torch.Tensor, cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,42 @@
+// Kernels shared by the extension's translation units (smallgemm.cpp defines them).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+namespace jakiro {
+
+constexpr int64_t VL = 16;  // floats per vector
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(vf));
+  return v;
+}
+
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+
+// the sum of a vector's lanes by halving (a fixed order, four dependent steps)
+inline float hsum(vf v) {
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  b += __builtin_shufflevector(b, b, 1, 0, 3, 2);
+  return b[0];
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias) for a weight packed by ``pack`` ([N/16][K][16] float32)
+void linear_rows(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, const float* bias, float* y);
+
+// the same for a weight held as packed float32 or as GGUF blocks ([N][K/32][block], uint8)
+void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float* x, int64_t M, int64_t K, float* y);
+
+// whether ``w`` is a weight ``apply_linear`` takes for N outputs and K inputs
+bool valid_linear(const at::Tensor& w, int64_t N, int64_t K);
+
+}  // namespace jakiro
