@@ -9,6 +9,7 @@ import torch
 from helpers import make_tiny_target
 from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
 from jakiro.errors import JakiroError
+from jakiro.models import smallgemm
 from jakiro.models.target import TargetModel
 
 
@@ -75,3 +76,33 @@ def test_bad_configs_are_refused(tmp_path, target):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
     with pytest.raises(JakiroError, match="not a jakiro draft config"):
         load_draft(str(tmp_path), target)
+
+
+@pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")
+@pytest.mark.parametrize("method", ["eagle2", "jakiro"])
+def test_fused_draft_step_matches_torch_operations(tmp_path, target, method):
+    """A draft step in one kernel call (fusion layer, attention over the context and the tree
+    ancestors) against the same step in torch operations: outputs and the KV entries written."""
+    model, folder = saved(tmp_path, target, method)
+    draft = load_draft(folder, target)
+    with torch.no_grad():
+        for p in draft.parameters():  # a trained draft's weights are far from the initial ones
+            p.add_(torch.randn_like(p) * 0.05)
+    gen = torch.Generator().manual_seed(0)
+    feats, toks = torch.randn(1, 14, 64, generator=gen), torch.randint(0, 256, (1, 14), generator=gen)
+    mask = torch.zeros(4, 14, dtype=torch.bool)
+    mask[:, :10] = True
+    mask[torch.arange(4), 10 + torch.arange(4)] = True
+    mask[3, 11] = True  # the fourth row's parent is the second
+    results = []
+    for fused in (True, False):
+        if not fused:
+            draft._fused_step = lambda *args: None
+        cache = draft.new_cache(32)
+        with torch.inference_mode():
+            draft(feats[:, :10], toks[:, :10], torch.arange(10), cache)
+            cache.commit(10)
+            out = draft(feats[:, 10:], toks[:, 10:], torch.tensor([10, 10, 11, 11]), cache, mask)
+        results.append((out.blend, out.features, cache.data[..., :14, :].clone()))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

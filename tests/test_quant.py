@@ -104,3 +104,37 @@ def test_default_target_quantized_decoding_steps_match_float32(smol):
     report = kernel_comparison(model, smol.target_path, context=8, repeats=1, rounds=1)
     assert set(report) == {"quantized", "small_batch", "torch", "torch_over_small_batch", "small_batch_over_quantized"}
     assert weight_bytes(model) < weight_bytes(smol.target) / 4  # Q4_1 layers and a Q8_0 head
+
+
+def test_q8_0_rounding_of_runtime_weights():
+    weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
+    weight[3, 32:64] = 0  # an all-zero block
+    packed = quant.quantize_q8_0(weight)
+    assert packed.shape == (40, 3, 40) and packed.dtype == torch.uint8
+    restored = quant.dequantize(packed, "q8_0")
+    step = weight.reshape(40, 3, 32).abs().amax(-1, keepdim=True) / 127
+    assert bool(((restored - weight).reshape(40, 3, 32).abs() <= step / 2 + 1e-7).all())
+    assert bool((restored[3, 32:64] == 0).all())
+
+
+@needs_kernel
+def test_draft_on_a_quantized_target_streams_blocks(smol):
+    """With a quantized target the draft head reads the target's head blocks (the same weights)
+    and the draft's layers are rounded to Q8_0: proposals stay close to the float32 draft's."""
+    from jakiro.draft import load_draft
+    from jakiro.models.target import TargetModel
+    model = TargetModel.from_folder(smol.target_path, quantized=True)
+    from jakiro.api import shipped_draft
+    drafts = [load_draft(shipped_draft("eagle2"), t) for t in (smol.target, model)]
+    assert not drafts[0].quantized and drafts[1].quantized
+    gen = torch.Generator().manual_seed(0)
+    feats, toks = torch.randn(1, 6, 576, generator=gen), torch.randint(0, 40000, (1, 6), generator=gen)
+    outs = []
+    for draft in drafts:
+        cache = draft.new_cache(16)
+        with torch.inference_mode():
+            out = draft(feats, toks, torch.arange(6), cache)
+            outs.append(draft.head_logits(out.blend[0], 2048))
+    assert drafts[1]._head_fast[2048].quantized is not None
+    torch.testing.assert_close(outs[1], outs[0], atol=0.3, rtol=0.02)  # logits span ~30
+    assert bool((outs[1].argmax(-1) == outs[0].argmax(-1)).all())

@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..models.kv_cache import KVCache
-from ..models.linear import FastLinear
+from ..models import smallgemm
+from ..models.linear import SMALL_ROWS, FastLinear
 from ..models.target import ROPE_SLACK, rope_tables
 from .config import DraftConfig
 
@@ -80,6 +81,10 @@ class DraftModel(nn.Module):
         self.head_weight: torch.Tensor | None = None  # [head_vocab, d]
         self._head_fast: dict[int | None, FastLinear] = {}
         self._fast: dict[str, tuple] = {}  # inference copies of the layers: name -> (stamp, FastLinear)
+        self._head_blocks: tuple[str, torch.Tensor] | None = None
+        # inference streams the layers as Q8_0 blocks (set with a quantized target: the draft
+        # then costs a quarter of the bytes; what it proposes changes slightly, never what is accepted)
+        self.quantized = False
 
     def reset_parameters(self, std: float = 0.02) -> None:
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -93,9 +98,13 @@ class DraftModel(nn.Module):
                 nn.init.normal_(getattr(self, name).weight, std=std)
 
     # ------------------------------------------------------------------ target coupling
-    def attach_target(self, embed: torch.Tensor, lm_head: torch.Tensor) -> "DraftModel":
-        """Use the target's embedding [V, d] and LM head [V, d] (frozen, not copied)."""
+    def attach_target(self, embed: torch.Tensor, lm_head: torch.Tensor,
+                      head_blocks: tuple[str, torch.Tensor] | None = None) -> "DraftModel":
+        """Use the target's embedding [V, d] and LM head [V, d] (frozen, not copied);
+        ``head_blocks``: the head's quantized blocks (``models.quant``), which the draft head's
+        rows then stream too (bitwise the same weights, a quarter of the bytes)."""
         self.embed = embed.detach()
+        self._head_blocks = head_blocks
         head = lm_head.detach()
         if self.config.draft_vocab_size is not None:
             head = head[self.d2t].contiguous()
@@ -116,23 +125,36 @@ class DraftModel(nn.Module):
             return F.linear(features, self.head_weight[:limit])
         fast = self._head_fast.get(limit)
         if fast is None:
-            fast = self._head_fast[limit] = FastLinear(self.head_weight[:limit].contiguous())
+            blocks = None
+            if self._head_blocks is not None:
+                rows = self.d2t if self.config.draft_vocab_size is not None else torch.arange(len(self.head_weight))
+                blocks = (self._head_blocks[0], self._head_blocks[1][rows[:limit]].contiguous())
+            fast = self._head_fast[limit] = FastLinear(self.head_weight[:limit].contiguous(), quantized=blocks)
         flat = features.reshape(-1, features.shape[-1])
         return fast(flat).view(*features.shape[:-1], -1)
 
     def _linear(self, name: str, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ cat(weights)^T (+ bias). In training, ``F.linear``; in inference, the runtime's
-        ``FastLinear`` (the small-batch kernel for a draft step's few rows, oneDNN for a prompt's
-        catch-up), built from the weights on first use and again whenever they change (a
-        training run measuring its draft between optimiser steps)."""
+        ``FastLinear`` (see ``_fast_layer``)."""
         if self.training or torch.is_grad_enabled():
             return F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights), bias)
+        return self._fast_layer(name, weights, bias)(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+    def _fast_layer(self, name: str, weights: tuple, bias: torch.Tensor | None = None) -> FastLinear:
+        """The inference copy of a layer (the small-batch kernel for a draft step's few rows,
+        oneDNN for a prompt's catch-up), built on first use and again whenever the weights change
+        (a training run measuring its draft between optimiser steps)."""
         stamp = tuple((w.data_ptr(), w._version) for w in weights + ((bias,) if bias is not None else ()))
         entry = self._fast.get(name)
         if entry is None or entry[0] != stamp:
             weight = torch.cat(weights) if len(weights) > 1 else weights[0].contiguous()
-            entry = self._fast[name] = (stamp, FastLinear(weight, None if bias is None else bias.detach()))
-        return entry[1](x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+            blocks = None
+            if self.quantized and weight.shape[1] % 32 == 0:
+                from ..models.quant import quantize_q8_0
+                blocks = ("q8_0", quantize_q8_0(weight))
+            entry = self._fast[name] = (stamp, FastLinear(weight, None if bias is None else bias.detach(),
+                                                          quantized=blocks))
+        return entry[1]
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.config.draft_vocab_size is None else self.d2t[draft_ids]
@@ -166,6 +188,9 @@ class DraftModel(nn.Module):
         c = self.config
         B, T, d = features.shape
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        fused = self._fused_step(features, token_ids, position_ids, cache, attn_mask) if unrolled is None else None
+        if fused is not None:
+            return fused
         x = self._linear("fc", torch.cat((F.embedding(token_ids, self.embed), features), -1), (self.fc.weight,),
                          self.fc.bias)
         h = F.rms_norm(x, (d,), self.input_norm, c.rms_norm_eps)
@@ -195,6 +220,27 @@ class DraftModel(nn.Module):
             o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask, enable_gqa=gqa)
         # residual after attention
         return x + self._linear("o", o.transpose(1, 2).reshape(B, T, H * D), (self.o_proj.weight,))
+
+    def _fused_step(self, features, token_ids, position_ids, cache, attn_mask) -> torch.Tensor | None:
+        """``attend`` in one call of the small-batch kernels for a draft step's few rows (None
+        where that path does not apply: training, batches, prompts, no kernel)."""
+        B, T, d = features.shape
+        if (cache is None or B != 1 or T > SMALL_ROWS or self.training or torch.is_grad_enabled()
+                or not smallgemm.available()):
+            return None
+        c = self.config
+        layers = (self._fast_layer("fc", (self.fc.weight,), self.fc.bias),
+                  self._fast_layer("qkv", (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
+                  self._fast_layer("o", (self.o_proj.weight,)))
+        if any(layer.kernel_weight is None for layer in layers) or self.input_norm.dtype != torch.float32:
+            return None
+        cache.check_room(T)
+        x = torch.cat((F.embedding(token_ids[0], self.embed), features[0]), -1)
+        r = smallgemm.draft_attend(x, layers[0].kernel_weight, layers[0].bias, self.input_norm.detach(),
+                                   layers[1].kernel_weight, layers[2].kernel_weight, cache.data, cache.length,
+                                   self.rope_cos[position_ids], self.rope_sin[position_ids], attn_mask,
+                                   c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.head_dim ** -0.5)
+        return r.unsqueeze(0)
 
     def heads(self, r: torch.Tensor) -> DraftOutput:
         """The per-row half of ``forward``: experts (or the dense MLP), router, blend and

@@ -1,6 +1,6 @@
 """The tree chosen by ``jakiro tune`` for a draft on this machine: one record per draft weights
 (by content, so a copied or moved draft keeps it and retrained weights do not) and thread count
-(a tree measured with two threads is not the best with one) and linear kernel, quantized weights
+(a tree measured with two threads is not the best with one) and kernel build, quantized weights
 included (the best tree depends on what a tree forward costs)."""
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def tuning_path(draft: str, cache: str | None = None, threads: int | None = None
     from ..models import quant, smallgemm
     threads = threads or torch.get_num_threads()
     quantized = quant.enabled() if quantized is None else quantized
-    kernel = ("quantized" if quantized else "smallgemm") if smallgemm.available() else "torch"
+    kernel = (f"{'quantized' if quantized else 'smallgemm'}-{smallgemm.build_id()}" if smallgemm.available()
+              else "torch")
     return os.path.join(cache_dir(cache), "tuning", f"{weights_digest(draft)}-{threads}threads-{kernel}.json")
 
 

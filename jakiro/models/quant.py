@@ -83,6 +83,19 @@ def dequantize(packed: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w.reshape(rows, nb * 32)))
 
 
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [rows, cols] matrix (cols a multiple of 32) rounded to Q8_0 blocks, packed for
+    the kernel: per block d = max|w| / 127, q = round(w / d). For weights the runtime owns rather
+    than reads from a GGUF file, a draft's: rounding them changes what a draft proposes, never
+    what verification accepts."""
+    rows, cols = weight.shape
+    blocks = weight.detach().float().reshape(rows, cols // 32, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, blocks / torch.where(d > 0, d, 1), 0).round().clamp_(-127, 127).to(torch.int8)
+    head = torch.cat((d, torch.zeros_like(d)), -1).contiguous().view(torch.uint8)
+    return torch.cat((head, q.view(torch.uint8)), -1).contiguous()
+
+
 def _llama_row_order(rows: int, heads: int) -> np.ndarray:
     """Row order GGUF's Llama converter gives Q and K (undone by transformers on loading)."""
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)

@@ -27,12 +27,18 @@ _state: dict = {}
 
 def _build_dir() -> str:
     from .hub import cache_dir
+    return os.path.join(cache_dir(), "ext", f"smallgemm-{build_id()}")
+
+
+def build_id() -> str:
+    """Identifies the kernels' sources, compiler flags, torch and CPU: measurements taken with
+    one build (tuned trees, cost curves) are not reused with another."""
     key = hashlib.sha256()
     for path in (SOURCE, *MORE_SOURCES, *HEADERS):
         with open(path, "rb") as f:
             key.update(f.read())
     key.update(" ".join([torch.__version__, sys.version, platform.machine(), *FLAGS, _cpu_flags()]).encode())
-    return os.path.join(cache_dir(), "ext", f"smallgemm-{key.hexdigest()[:12]}")
+    return key.hexdigest()[:12]
 
 
 def _cpu_flags() -> str:
@@ -109,3 +115,10 @@ def decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask, num_
     ``TargetModel.forward``."""
     return torch.ops.jakiro_smallgemm.decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask,
                                                      num_heads, num_kv_heads, eps, scale)
+
+
+def draft_attend(x, fc, fc_bias, norm, qkv, o, kv, past, cos, sin, mask, num_heads, num_kv_heads, eps, scale):
+    """A draft step's fusion layer and attention block in one call (``csrc/decoder.cpp``); see
+    ``DraftModel.attend``."""
+    return torch.ops.jakiro_smallgemm.draft_attend(x, fc, fc_bias, norm, qkv, o, kv, past, cos, sin, mask,
+                                                   num_heads, num_kv_heads, eps, scale)

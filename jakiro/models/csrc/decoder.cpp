@@ -90,14 +90,49 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// The g query heads q [g][D] sharing one KV head attend its `past` cached keys and the visible new
-// keys `slots` (positions past + c): out [g][D]. scores: scratch of g * (past + slots) floats.
-void attend(const float* q, int64_t g, const float* K, const float* V, int64_t past,
-            const std::vector<int64_t>& slots, int64_t D, float scale, float* out, float* scores) {
-  const int64_t L = past + static_cast<int64_t>(slots.size());
-  auto key = [&](int64_t i) { return i < past ? i : past + slots[i - past]; };
+// The keys a new row attends, in the order it visits them: cache positions 0..prefix-1, then
+// `extra` (ascending). A tree token and the same token decoded after its ancestors were committed
+// visit the same keys in the same order.
+struct Visible {
+  int64_t prefix;
+  std::vector<int64_t> extra;
+};
+
+// mask [n, n] over the new tokens (the prefix all visible), or [n, past + n] over the whole
+// cache (a draft's scratch slots); none: causal over the new tokens
+std::vector<Visible> visibility(const c10::optional<at::Tensor>& mask, int64_t n, int64_t past, bool whole) {
+  std::vector<Visible> vis(n);
+  if (!mask.has_value() || !mask->defined()) {
+    for (int64_t r = 0; r < n; ++r) {
+      vis[r].prefix = past;
+      for (int64_t c = 0; c <= r; ++c) vis[r].extra.push_back(past + c);
+    }
+    return vis;
+  }
+  const auto m = mask->to(at::kBool).contiguous();
+  const int64_t cols = whole ? past + n : n, offset = whole ? 0 : past;
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == n && m.size(1) == cols, "attention mask must be [", n, ", ", cols, "]");
+  const bool* mp = m.data_ptr<bool>();
+  for (int64_t r = 0; r < n; ++r) {
+    const bool* row = mp + r * cols;
+    int64_t c = 0;
+    if (whole)
+      while (c < cols && row[c]) ++c;
+    vis[r].prefix = whole ? c : past;
+    for (; c < cols; ++c)
+      if (row[c]) vis[r].extra.push_back(offset + c);
+  }
+  return vis;
+}
+
+// The g query heads q [g][D] sharing one KV head attend the keys `vis`: out [g][D].
+// scores: scratch of g * (number of keys) floats.
+void attend(const float* q, int64_t g, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
+            float scale, float* out, float* scores) {
+  const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
+  auto key = [&](int64_t i) { return i < P ? i : vis.extra[i - P]; };
   for (int64_t i = 0; i < L; ++i) {
-    const float* k = K + key(i) * D;
+    const float* k = K + key(i) * ld;
     for (int64_t h = 0; h < g; ++h) scores[h * L + i] = dot(q + h * D, k, D) * scale;
   }
   for (int64_t h = 0; h < g; ++h) {
@@ -119,7 +154,7 @@ void attend(const float* q, int64_t g, const float* K, const float* V, int64_t p
     float* o = out + h * D;
     std::fill(o, o + D, 0.f);
     for (int64_t j = 0; j < L; ++j) {
-      const float* v = V + key(j) * D;
+      const float* v = V + key(j) * ld;
       const float p = s[j];
       for (int64_t c = 0; c < D; ++c) o[c] += p * v[c];
     }
@@ -130,131 +165,188 @@ void attend(const float* q, int64_t g, const float* K, const float* V, int64_t p
 
 inline vf silu_times(vf g, vf u) { return g / (1.f + vexp(-g)) * u; }
 
-struct LayerWeights {
-  const float* input_norm;
-  const float* post_norm;
+struct Shape {
+  int64_t n, d, H, Hkv, D, inter;
+  float eps, scale;
+  int64_t qkv() const { return (H + 2 * Hkv) * D; }
+};
+
+struct AttentionWeights {
+  const float* norm;
   const at::Tensor* qkv;
   const float* qkv_bias;
   const at::Tensor* o;
-  const at::Tensor* gate_up;
-  const at::Tensor* down;
-  const float* q_norm;
+  const float* q_norm;  // per-head norms of Qwen3, else null
   const float* k_norm;
 };
 
-constexpr int64_t SLOTS = 9;  // weights per layer in the op's list
+// one layer's keys and values: [Hkv][max_len][D] each, heads `head_stride` floats apart
+struct LayerCache {
+  float* k;
+  float* v;
+  int64_t head_stride, row_stride;
+};
+
+struct Scratch {
+  float *h, *qkv, *o, *y, *scores;
+  int64_t keys;  // the most keys a row attends
+};
+
+// x [n, d] += o(attention(rmsnorm(x))), writing the new keys and values at past..past+n-1
+void attention_block(float* x, const Shape& S, const AttentionWeights& w, const LayerCache& c, int64_t past,
+                     const float* cos, const float* sin, const std::vector<Visible>& vis, const Scratch& s) {
+  const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv, D = S.D, NQKV = S.qkv(), g = H / Hkv;
+  for (int64_t r = 0; r < n; ++r) rmsnorm(x + r * d, w.norm, s.h + r * d, d, S.eps);
+  jakiro::apply_linear(*w.qkv, NQKV, w.qkv_bias, s.h, n, d, s.qkv);
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = s.qkv + r * NQKV;
+    for (int64_t a = 0; a < H + Hkv; ++a) {
+      float* v = row + a * D;
+      const float* nw = a < H ? w.q_norm : w.k_norm;
+      if (nw) {
+        float tmp[1024];
+        rmsnorm(v, nw, tmp, D, S.eps);
+        std::memcpy(v, tmp, D * sizeof(float));
+      }
+      rope(v, cos + r * D, sin + r * D, D);
+    }
+    for (int64_t j = 0; j < Hkv; ++j) {
+      std::memcpy(c.k + j * c.head_stride + (past + r) * c.row_stride, row + (H + j) * D, D * sizeof(float));
+      std::memcpy(c.v + j * c.head_stride + (past + r) * c.row_stride, row + (H + Hkv + j) * D, D * sizeof(float));
+    }
+  }
+  // one task per (row, KV head); its g query heads are consecutive in q
+  const int64_t work = n * H * s.keys * D, ld = g * s.keys;
+  at::parallel_for(0, n * Hkv, work >= (1 << 16) ? 1 : n * Hkv, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = t / Hkv, j = t % Hkv;
+      attend(s.qkv + r * NQKV + j * g * D, g, c.k + j * c.head_stride, c.v + j * c.head_stride, c.row_stride,
+             vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + t * ld);
+    }
+  });
+  jakiro::apply_linear(*w.o, d, nullptr, s.o, n, H * D, s.y);
+  for (int64_t i = 0; i < n * d; ++i) x[i] += s.y[i];
+}
+
+// x [n, d] += down(silu(gate) * up) of rmsnorm(x); gu [n, 2 inter], act [n, inter] scratch
+void mlp_block(float* x, const Shape& S, const float* norm, const at::Tensor& gate_up, const at::Tensor& down,
+               float* y, float* gu, float* act) {
+  const int64_t n = S.n, d = S.d, I = S.inter;
+  for (int64_t r = 0; r < n; ++r) rmsnorm(x + r * d, norm, y + r * d, d, S.eps);
+  jakiro::apply_linear(gate_up, 2 * I, nullptr, y, n, d, gu);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* gate = gu + r * 2 * I;
+    const float* up = gate + I;
+    float* a = act + r * I;
+    int64_t i = 0;
+    for (; i + VL <= I; i += VL) store(a + i, silu_times(load(gate + i), load(up + i)));
+    for (; i < I; ++i) a[i] = gate[i] / (1.f + sexp(-gate[i])) * up[i];
+  }
+  jakiro::apply_linear(down, d, nullptr, act, n, I, y);
+  for (int64_t i = 0; i < n * d; ++i) x[i] += y[i];
+}
+
+constexpr int64_t SLOTS = 9;  // weights per layer in decoder_layers' list
 
 const float* optional_data(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
 }
 
+void check_cache(const at::Tensor& kv, int64_t layers, int64_t Hkv, int64_t past, int64_t n) {
+  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kFloat && kv.size(0) == layers && kv.size(2) == 1 &&
+                  kv.size(3) == Hkv && kv.stride(5) == 1 && kv.stride(4) == kv.size(5) && kv.size(5) % 2 == 0 &&
+                  kv.size(5) <= 1024,
+              "the KV cache does not match the model");
+  TORCH_CHECK(past >= 0 && past + n <= kv.size(4), "KV cache overflow");
+}
+
+void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t n, int64_t D) {
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == D && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
+              "cos/sin must be [n, head_dim] float32");
+}
+
+LayerCache layer_cache(const at::Tensor& kv, int64_t layer) {
+  float* k = kv.data_ptr<float>() + layer * kv.stride(0);
+  return {k, k + kv.stride(1), kv.stride(3), kv.stride(4)};
+}
+
 at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
                           at::IntArrayRef out_features, const at::Tensor& kv, int64_t past, const at::Tensor& cos,
                           const at::Tensor& sin, const c10::optional<at::Tensor>& tree_mask, int64_t H, int64_t Hkv,
-                          double eps_d, double scale_d) {
+                          double eps, double scale) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers: x must be [n, d] float32");
   const int64_t layers = static_cast<int64_t>(weights.size()) / SLOTS;
   TORCH_CHECK(layers * SLOTS == static_cast<int64_t>(weights.size()) &&
                   static_cast<int64_t>(out_features.size()) == 4 * layers,
               "decoder_layers: 9 weights and 4 output sizes per layer");
-  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kFloat && kv.size(0) == layers && kv.size(2) == 1 &&
-                  kv.size(3) == Hkv && kv.stride(5) == 1 && kv.stride(4) == kv.size(5),
-              "decoder_layers: the KV cache does not match the model");
   auto x = x_in.contiguous().clone();
-  const int64_t n = x.size(0), d = x.size(1), D = kv.size(5), g = H / Hkv;
-  TORCH_CHECK(H % Hkv == 0 && D % 2 == 0, "decoder_layers: head layout");
-  TORCH_CHECK(past >= 0 && past + n <= kv.size(4), "decoder_layers: KV cache overflow");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == n && cos.size(1) == D && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
-                  sin.is_contiguous(),
-              "decoder_layers: cos/sin must be [n, head_dim]");
-  const int64_t NQKV = (H + 2 * Hkv) * D;
-  std::vector<LayerWeights> lw(layers);
-  int64_t inter = 0;
+  const int64_t n = x.size(0), d = x.size(1);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decoder_layers: head layout");
+  check_cache(kv, layers, Hkv, past, n);
+  Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
+  check_rope(cos, sin, n, S.D);
+  std::vector<AttentionWeights> attn(layers);
   for (int64_t l = 0; l < layers; ++l) {
     const auto* w = &weights[l * SLOTS];
     for (int64_t s : {0, 1, 2, 4, 5, 6})
       TORCH_CHECK(w[s].has_value() && w[s]->defined(), "decoder_layers: layer ", l, " lacks weight ", s);
     const int64_t* N = &out_features[l * 4];
-    TORCH_CHECK(N[0] == NQKV && N[1] == d && N[3] == d && N[2] % 2 == 0, "decoder_layers: layer ", l, " shapes");
-    inter = N[2] / 2;
-    TORCH_CHECK(jakiro::valid_linear(*w[2], N[0], d) && jakiro::valid_linear(*w[4], N[1], H * D) &&
-                    jakiro::valid_linear(*w[5], N[2], d) && jakiro::valid_linear(*w[6], N[3], inter),
+    TORCH_CHECK(N[0] == S.qkv() && N[1] == d && N[3] == d && N[2] % 2 == 0 && (l == 0 || N[2] / 2 == S.inter),
+                "decoder_layers: layer ", l, " shapes");
+    S.inter = N[2] / 2;
+    TORCH_CHECK(jakiro::valid_linear(*w[2], N[0], d) && jakiro::valid_linear(*w[4], N[1], H * S.D) &&
+                    jakiro::valid_linear(*w[5], N[2], d) && jakiro::valid_linear(*w[6], N[3], S.inter),
                 "decoder_layers: layer ", l, " has a weight the kernels cannot take");
-    lw[l] = {w[0]->data_ptr<float>(), w[1]->data_ptr<float>(), &*w[2], optional_data(w[3]), &*w[4], &*w[5], &*w[6],
-             optional_data(w[7]), optional_data(w[8])};
+    attn[l] = {w[0]->data_ptr<float>(), &*w[2], optional_data(w[3]), &*w[4], optional_data(w[7]), optional_data(w[8])};
   }
-  std::vector<std::vector<int64_t>> visible(n);
-  if (tree_mask.has_value() && tree_mask->defined()) {
-    const auto m = tree_mask->to(at::kBool).contiguous();
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == n && m.size(1) == n, "decoder_layers: tree mask must be [n, n]");
-    const bool* mp = m.data_ptr<bool>();
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t c = 0; c < n; ++c)
-        if (mp[r * n + c]) visible[r].push_back(c);
-  } else {
-    for (int64_t r = 0; r < n; ++r)
-      for (int64_t c = 0; c <= r; ++c) visible[r].push_back(c);
-  }
-  const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
+  const auto vis = visibility(tree_mask, n, past, false);
   auto opts = x.options();
-  auto h = at::empty({n, d}, opts), ob = at::empty({n, H * D}, opts), qkv = at::empty({n, NQKV}, opts), y = at::empty({n, d}, opts);
-  auto gu = at::empty({n, 2 * inter}, opts), act = at::empty({n, inter}, opts);
-  auto scores = at::empty({n * Hkv, g * (past + n)}, opts);
-  float *xp = x.data_ptr<float>(), *hp = h.data_ptr<float>(), *op = ob.data_ptr<float>(), *qp = qkv.data_ptr<float>(), *yp = y.data_ptr<float>();
-  float *gp = gu.data_ptr<float>(), *ap = act.data_ptr<float>(), *sp = scores.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
-  float* kvp = kv.data_ptr<float>();
-  const int64_t s0 = kv.stride(0), s1 = kv.stride(1), s3 = kv.stride(3), s4 = kv.stride(4);
-  const int64_t work = n * H * (past + n) * D;
-  TORCH_CHECK(D <= 1024, "decoder_layers: head_dim above 1024");
-
+  auto h = at::empty({n, d}, opts), ob = at::empty({n, H * S.D}, opts), qkv = at::empty({n, S.qkv()}, opts);
+  auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * S.inter}, opts), act = at::empty({n, S.inter}, opts);
+  auto scores = at::empty({n * Hkv, (H / Hkv) * (past + n)}, opts);
+  const Scratch scratch{h.data_ptr<float>(), qkv.data_ptr<float>(), ob.data_ptr<float>(), y.data_ptr<float>(),
+                        scores.data_ptr<float>(), past + n};
+  float* xp = x.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
-    const LayerWeights& L = lw[l];
-    float* kc = kvp + l * s0;
-    float* vc = kc + s1;
-    for (int64_t r = 0; r < n; ++r) rmsnorm(xp + r * d, L.input_norm, hp + r * d, d, eps);
-    jakiro::apply_linear(*L.qkv, NQKV, L.qkv_bias, hp, n, d, qp);
-    for (int64_t r = 0; r < n; ++r) {
-      float* row = qp + r * NQKV;
-      for (int64_t a = 0; a < H + Hkv; ++a) {
-        float* v = row + a * D;
-        const float* nw = a < H ? L.q_norm : L.k_norm;
-        if (nw) {
-          float tmp[1024];
-          rmsnorm(v, nw, tmp, D, eps);
-          std::memcpy(v, tmp, D * sizeof(float));
-        }
-        rope(v, cp + r * D, snp + r * D, D);
-      }
-      for (int64_t j = 0; j < Hkv; ++j) {
-        std::memcpy(kc + j * s3 + (past + r) * s4, row + (H + j) * D, D * sizeof(float));
-        std::memcpy(vc + j * s3 + (past + r) * s4, row + (H + Hkv + j) * D, D * sizeof(float));
-      }
-    }
-    // attention: one task per (row, KV head); its g query heads are consecutive in q
-    const int64_t ld = g * (past + n);
-    at::parallel_for(0, n * Hkv, work >= (1 << 16) ? 1 : n * Hkv, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t r = t / Hkv, j = t % Hkv;
-        attend(qp + r * NQKV + j * g * D, g, kc + j * s3, vc + j * s3, past, visible[r], D, scale,
-               op + r * H * D + j * g * D, sp + t * ld);
-      }
-    });
-    jakiro::apply_linear(*L.o, d, nullptr, op, n, H * D, yp);
-    for (int64_t i = 0; i < n * d; ++i) xp[i] += yp[i];
-    for (int64_t r = 0; r < n; ++r) rmsnorm(xp + r * d, L.post_norm, yp + r * d, d, eps);
-    jakiro::apply_linear(*L.gate_up, 2 * inter, nullptr, yp, n, d, gp);
-    for (int64_t r = 0; r < n; ++r) {
-      const float* gate = gp + r * 2 * inter;
-      const float* up = gate + inter;
-      float* a = ap + r * inter;
-      int64_t i = 0;
-      for (; i + VL <= inter; i += VL) store(a + i, silu_times(load(gate + i), load(up + i)));
-      for (; i < inter; ++i) a[i] = gate[i] / (1.f + sexp(-gate[i])) * up[i];
-    }
-    jakiro::apply_linear(*L.down, d, nullptr, ap, n, inter, yp);
-    for (int64_t i = 0; i < n * d; ++i) xp[i] += yp[i];
+    const auto* w = &weights[l * SLOTS];
+    attention_block(xp, S, attn[l], layer_cache(kv, l), past, cos.data_ptr<float>(), sin.data_ptr<float>(), vis,
+                    scratch);
+    mlp_block(xp, S, w[1]->data_ptr<float>(), *w[5], *w[6], scratch.y, gu.data_ptr<float>(), act.data_ptr<float>());
   }
+  return x;
+}
+
+// A draft's fusion layer and attention block (EAGLE's fc over [embedding, feature], then a
+// decoder layer's attention half) for the rows of one draft step: r [n, d]. ``mask`` [n, past + n]
+// says which cache entries each row sees (the committed context and its tree ancestors).
+at::Tensor draft_attend(const at::Tensor& x_in, const at::Tensor& fc, const c10::optional<at::Tensor>& fc_bias,
+                        const at::Tensor& norm, const at::Tensor& qkv, const at::Tensor& o, const at::Tensor& kv,
+                        int64_t past, const at::Tensor& cos, const at::Tensor& sin,
+                        const c10::optional<at::Tensor>& mask, int64_t H, int64_t Hkv, double eps, double scale) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "draft_attend: x must be [n, 2d] float32");
+  auto xc = x_in.contiguous();
+  const int64_t n = xc.size(0), d = norm.numel();
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "draft_attend: head layout");
+  check_cache(kv, 1, Hkv, past, n);
+  Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
+  check_rope(cos, sin, n, S.D);
+  const float* bias = optional_data(fc_bias);
+  TORCH_CHECK(jakiro::valid_linear(fc, d, xc.size(1)) && jakiro::valid_linear(qkv, S.qkv(), d) &&
+                  jakiro::valid_linear(o, d, H * S.D) && (!bias || fc_bias->numel() == d),
+              "draft_attend: a weight the kernels cannot take");
+  auto opts = xc.options();
+  auto x = at::empty({n, d}, opts);
+  jakiro::apply_linear(fc, d, bias, xc.data_ptr<float>(), n, xc.size(1), x.data_ptr<float>());
+  const auto vis = visibility(mask, n, past, true);
+  auto h = at::empty({n, d}, opts), ob = at::empty({n, H * S.D}, opts), qb = at::empty({n, S.qkv()}, opts);
+  auto y = at::empty({n, d}, opts), scores = at::empty({n * Hkv, (H / Hkv) * (past + n)}, opts);
+  const Scratch scratch{h.data_ptr<float>(), qb.data_ptr<float>(), ob.data_ptr<float>(), y.data_ptr<float>(),
+                        scores.data_ptr<float>(), past + n};
+  const AttentionWeights w{norm.data_ptr<float>(), &qkv, nullptr, &o, nullptr, nullptr};
+  attention_block(x.data_ptr<float>(), S, w, layer_cache(kv, 0), past, cos.data_ptr<float>(), sin.data_ptr<float>(),
+                  vis, scratch);
   return x;
 }
 
@@ -264,4 +356,7 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("decoder_layers(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, int past, Tensor cos, "
         "Tensor sin, Tensor? tree_mask, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
         decoder_layers);
+  m.def("draft_attend(Tensor x, Tensor fc, Tensor? fc_bias, Tensor norm, Tensor qkv, Tensor o, Tensor kv, int past, "
+        "Tensor cos, Tensor sin, Tensor? mask, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
+        draft_attend);
 }
