@@ -68,6 +68,9 @@ class Jakiro:
             proposer = Proposer()
         elif method == "pld":
             proposer = PromptLookupProposer(num_tokens=pld_tokens)
+            if adaptive:  # verify only as much of the chain as pays on this machine
+                from .decoding.adaptive import AdaptiveProposer
+                proposer = AdaptiveProposer(None, self.target, lookup=proposer)
         else:
             from .draft.tuning import load_tuning
             from .draft import load_draft
@@ -139,7 +142,7 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     """Load a target (default: SmolLM2-135M-Instruct) and set up ``method`` (default: the draft's
     method when a draft is given, else plain decoding). ``adaptive=False`` keeps the draft's
     fixed tree every cycle; ``tree="static:eagle1"`` (a preset or a JSON file of paths) drafts a
-    static tree. ``quantized`` (default: ``JAKIRO_QUANTIZED``): a target converted from a GGUF
+    static tree. ``quantized`` (default: on unless ``JAKIRO_QUANTIZED=0``): a target converted from a GGUF
     file streams its quantized blocks in decoding steps and trees (``models.quant``)."""
     from .models.hub import resolve_target
     from .models.target import TargetModel

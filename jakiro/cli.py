@@ -55,10 +55,12 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", help="where converted models are cached (default: $JAKIRO_CACHE "
                                        "or ~/.cache/jakiro)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--quantized", action="store_true",
-                   help="a target converted from a GGUF file streams its Q4_1/Q8_0 blocks through the "
-                        "small-batch kernel instead of float32 weights: the same weights, a fifth of the "
-                        "bytes (also JAKIRO_QUANTIZED=1)")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--float32", action="store_true",
+                         help="stream the float32 copy of a target converted from a GGUF file instead of its "
+                              "Q4_1/Q8_0 blocks (the same weights, five times the bytes; also JAKIRO_QUANTIZED=0)")
+    weights.add_argument("--quantized", action="store_true",
+                         help="stream the GGUF blocks of a converted target (the default)")
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -73,7 +75,8 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                    "or a JSON list of rank paths, instead of the dynamic tree")
     p.add_argument("--no-adaptive", action="store_true",
                    help="drafts: verify the same tree every cycle instead of drafting only what pays "
-                        "(explicit --depth/--tree-top-k/--total-tokens also fix the tree)")
+                        "(explicit --depth/--tree-top-k/--total-tokens also fix the tree); pld: verify the "
+                        "whole lookup chain every cycle (the classic prompt lookup)")
 
 
 def _add_session_args(p: argparse.ArgumentParser) -> None:
@@ -199,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _setup_threads(args) -> None:
     if getattr(args, "quantized", False):
         os.environ["JAKIRO_QUANTIZED"] = "1"
+    if getattr(args, "float32", False):
+        os.environ["JAKIRO_QUANTIZED"] = "0"
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
             raise JakiroError(f"--threads must be >= 1, got {args.threads}")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jakiro.decoding.adaptive import AdaptiveProposer, CostTable
-from jakiro.decoding.engine import Engine
+from jakiro.decoding.engine import Engine, Metrics
 from jakiro.decoding.proposers import DraftProposer, TreeBudget
 from jakiro.decoding.tree import build_tree
 from jakiro.decoding.verify import Verdict
@@ -152,3 +152,26 @@ def test_hybrid_lookup_and_draft_greedy_equals_plain(tiny, adaptive):
     assert from_lookup > 20  # the tiny model repeats itself: lookup branches are accepted
     if adaptive:
         assert m.plain_steps > 0  # the draft was switched off, lookup-only cycles remain
+
+
+def test_cost_aware_prompt_lookup_greedy_equals_plain_and_cuts_the_chain_when_verifying_is_dear(tiny):
+    """pld by default: the lookup chain is verified only as deep as pays (no draft, no features)."""
+    from jakiro.decoding.proposers import PromptLookupProposer
+    root, target, tok, prompts, reference = tiny
+    depth_tried = {}
+    for name, curve in (("cheap", {1: 1.0, 2: 1.02, 4: 1.06, 8: 1.14}), ("dear", {1: 1.0, 2: 1.9, 4: 3.7, 8: 7.3})):
+        proposer = AdaptiveProposer(None, target, CostTable(curve, {}), lookup=PromptLookupProposer(num_tokens=5))
+        assert proposer.name == "pld" and not proposer.needs_features and proposer.max_tree_tokens == 6
+        engine = Engine(target, tok, proposer)
+        assert_same(engine, prompts[:10], reference[:10])
+        m = Metrics.total(engine.generate(p, 128).metrics for p in prompts[:10])
+        depth_tried[name] = m.depth_tried + [0] * 6
+        assert m.accepted_from["draft"] == 0
+    assert depth_tried["cheap"][1] > 0  # chains verified when a forward over them costs little
+    assert depth_tried["dear"][0] < depth_tried["cheap"][0] / 2  # and cut when each token costs almost a step
+
+
+def test_cost_aware_drafting_needs_a_draft_or_lookup(tiny):
+    root, target, tok, prompts, reference = tiny
+    with pytest.raises(ValueError, match="needs a draft or prompt lookup"):
+        AdaptiveProposer(None, target, CostTable({1: 1.0}, {}))

@@ -3,7 +3,10 @@ own float32 values, the kernel computes x @ W^T with them for every row count (a
 alone or in a batch), matrices that do not reproduce the float32 model stay float32, and the
 default target's decoding steps give the float32 path's logits."""
 
+from types import SimpleNamespace
+
 import numpy as np
+
 import pytest
 import torch
 
@@ -80,6 +83,9 @@ def test_default_target_quantized_decoding_steps_match_float32(smol):
     from jakiro.models.target import TargetModel
     model = TargetModel.from_folder(smol.target_path, quantized=True)
     assert model.quantized_matrices == 7 * model.config.num_layers + 1  # every matrix and the tied head
+    assert smol.target.quantized_matrices == model.quantized_matrices  # the default
+    smol = SimpleNamespace(target=TargetModel.from_folder(smol.target_path, quantized=False),
+                           target_path=smol.target_path, engine=smol.engine)
     ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome."))
     caches = [m.new_cache(len(ids) + 16, scratch=8) for m in (smol.target, model)]
     for m, cache in zip((smol.target, model), caches):
@@ -123,9 +129,9 @@ def test_draft_on_a_quantized_target_streams_blocks(smol):
     and the draft's layers are rounded to Q8_0: proposals stay close to the float32 draft's."""
     from jakiro.draft import load_draft
     from jakiro.models.target import TargetModel
-    model = TargetModel.from_folder(smol.target_path, quantized=True)
+    model = TargetModel.from_folder(smol.target_path, quantized=False)
     from jakiro.api import shipped_draft
-    drafts = [load_draft(shipped_draft("eagle2"), t) for t in (smol.target, model)]
+    drafts = [load_draft(shipped_draft("eagle2"), t) for t in (model, smol.target)]
     assert not drafts[0].quantized and drafts[1].quantized
     gen = torch.Generator().manual_seed(0)
     feats, toks = torch.randn(1, 6, 576, generator=gen), torch.randint(0, 40000, (1, 6), generator=gen)

@@ -91,17 +91,19 @@ def _at(table: dict[int, float], n: int) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(target, proposer: DraftProposer, context: int = 128, long_context: int = 768,
-                  repeats: int = 3) -> CostTable:
-    """Measure the cost table once (about three seconds for SmolLM2-135M on two cores).
+def measure_costs(target, proposer: DraftProposer | None, context: int = 128, long_context: int = 768,
+                  repeats: int = 3, max_tree_tokens: int | None = None) -> CostTable:
+    """Measure the cost table once (about three seconds for SmolLM2-135M on two cores; without
+    a draft, for prompt lookup alone, only the target's forwards up to ``max_tree_tokens``).
 
     As in decoding, every draft proposal is timed right after a target forward (which pushes
     the draft's weights out of the caches: timed alone, a draft step looks twice as cheap as it
     is) and catches up on two committed positions. Target forwards are measured for every tree
     size after ``context`` tokens and, for the smallest and largest, after ``long_context``
     tokens too: the difference, per token, is how the cost grows with the prompt."""
-    max_n = proposer.max_tree_tokens
-    room = target.config.max_context - max_n - (proposer.budget.depth + 1) * (repeats + 2) * 2 - 8
+    max_n = proposer.max_tree_tokens if proposer is not None else max_tree_tokens
+    deepest = proposer.budget.depth if proposer is not None else 0
+    room = target.config.max_context - max_n - (deepest + 1) * (repeats + 2) * 2 - 8
     context = max(1, min(context, room // 2))
     long_context = max(context + 1, min(long_context, room))
     sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < max_n} | {max_n})
@@ -111,7 +113,8 @@ def measure_costs(target, proposer: DraftProposer, context: int = 128, long_cont
     target_ms = forward_ms(target, cache, repeats, sizes)
     span = long_context - context
     target_slope = {n: max(0.0, (longer[n] - target_ms[n]) / span) for n in longer}
-    deepest = proposer.budget.depth
+    if proposer is None:
+        return CostTable(target_ms, {}, context, target_slope)
     short = _draft_costs(target, cache, proposer, context, range(1, deepest + 1), repeats)
     far = _draft_costs(target, cache, proposer, long_context, [deepest], repeats)
     slope = max(0.0, (far[deepest] - short[deepest]) / span)
@@ -141,17 +144,23 @@ class AdaptiveProposer(Proposer):
     """Wraps a draft proposer; see the module docstring. With ``lookup`` the prompt-lookup
     continuation joins the draft's tree as extra branches (merged where the tokens coincide) and
     the same cost-aware cut covers both sources; a lookup chain is proposed even on cycles that
-    do not draft. ``adaptive=False`` keeps the draft's fixed tree (plus the lookup branch)."""
+    do not draft. Without a draft (``inner=None``) it is prompt lookup that verifies only as much
+    of the chain as pays. ``adaptive=False`` keeps the draft's fixed tree (plus the lookup branch)."""
 
     needs_features = True
 
-    def __init__(self, inner: DraftProposer, target, costs: CostTable | None = None,
+    def __init__(self, inner: DraftProposer | None, target, costs: CostTable | None = None,
                  lookup: PromptLookupProposer | None = None, adaptive: bool = True):
+        if inner is None and lookup is None:
+            raise ValueError("cost-aware drafting needs a draft or prompt lookup")
         self.inner, self.target, self.lookup, self.adaptive = inner, target, lookup, adaptive
-        self.max_tree_tokens = inner.max_tree_tokens + (lookup.num_tokens if lookup else 0)
-        self.costs = costs or (measure_costs(target, inner) if adaptive else None)
-        self.name = inner.name + ("+pld" if lookup else "")
-        self.max_depth = inner.budget.depth
+        self.max_tree_tokens = ((inner.max_tree_tokens if inner else 1)
+                                + (lookup.num_tokens if lookup else 0))
+        self.costs = costs or (measure_costs(target, inner, max_tree_tokens=self.max_tree_tokens)
+                               if adaptive else None)
+        self.name = inner.name + ("+pld" if lookup else "") if inner else lookup.name
+        self.needs_features = inner is not None
+        self.max_depth = inner.budget.depth if inner else 0
         self.start_stats()
 
     # ------------------------------------------------------------------ request state
@@ -174,11 +183,13 @@ class AdaptiveProposer(Proposer):
         self.context_length: int | None = None  # committed tokens at this cycle (costs grow with it)
 
     def start(self, max_len: int) -> None:
-        self.inner.start(max_len)
+        if self.inner:
+            self.inner.start(max_len)
         self.start_stats()
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        self.inner.observe(features, next_tokens)
+        if self.inner:
+            self.inner.observe(features, next_tokens)
 
     # ------------------------------------------------------------------ decisions
     def reach_probability(self) -> torch.Tensor:
@@ -280,14 +291,14 @@ class AdaptiveProposer(Proposer):
         chain = self.lookup.lookup(context) if self.lookup else []
         self.chain = chain
         if not self.adaptive:
-            tree = self.inner.propose(context)
+            tree = self.inner.propose(context) if self.inner else chain_tree(context[-1], [])
             return add_chain(tree, chain) if chain else tree
         self.context_length = len(context)
         depth = self.choose_depth(len(chain))
         self.shadow = None
         if depth == 0:
             self.idle += 1
-            if self.idle >= self.wait:
+            if self.idle >= self.wait and self.inner:
                 # probe without paying for verification: draft one level now and compare it with
                 # the token the plain step commits (``feedback``)
                 self.idle, self.wait = 0, min(self.wait * 2, MAX_WAIT)

@@ -44,6 +44,8 @@ class PromptLookupProposer(Proposer):
             raise ValueError("prompt lookup needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_tree_tokens = num_tokens + 1
+        self._indexed: list[int] = []  # the context the index covers
+        self._latest: dict[tuple, int] = {}  # n-gram -> start of its latest occurrence with a continuation
 
     def propose(self, context: list[int]) -> Tree:
         tree = chain_tree(context[-1], self.lookup(context))
@@ -52,18 +54,27 @@ class PromptLookupProposer(Proposer):
 
     def lookup(self, context: list[int]) -> list[int]:
         """The tokens that followed the latest earlier occurrence of the longest matching n-gram."""
-        seq = torch.tensor(context)
-        length = seq.shape[0]
+        self._index(context)
+        length = len(context)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            windows = seq.unfold(0, n, 1)[:-1]  # every earlier n-gram, [length - n, n]
-            hits = torch.nonzero((windows == seq[-n:]).all(1)).flatten()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                drafted = seq[start: start + self.num_tokens]
-                if drafted.numel():
-                    return drafted.tolist()
+            start = self._latest.get(tuple(context[length - n:]))
+            if start is not None:
+                return context[start + n: start + n + self.num_tokens]
         return []
 
+    def _index(self, context: list[int]) -> None:
+        """Index the n-grams that have a continuation (all but the context's own last ones),
+        adding only what the context gained since the last cycle: a lookup costs the same after
+        2,000 tokens as after 20."""
+        done = len(self._indexed)
+        if done > len(context) or context[:done] != self._indexed:  # another request: start over
+            self._latest, done = {}, 0
+            self._indexed = []
+        length = len(context)
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            for start in range(max(0, done - n), length - n):  # n-grams ending before the last token
+                self._latest[tuple(context[start:start + n])] = start
+        self._indexed = list(context)
 
 @dataclass
 class TreeBudget:

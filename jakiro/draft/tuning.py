@@ -26,7 +26,7 @@ def weights_digest(draft: str) -> str:
 
 def tuning_path(draft: str, cache: str | None = None, threads: int | None = None,
                 quantized: bool | None = None) -> str:
-    """``quantized``: whether the target streams quantized weights (default: ``JAKIRO_QUANTIZED``)."""
+    """``quantized``: whether the target streams quantized weights (default: on unless ``JAKIRO_QUANTIZED=0``)."""
     from ..models import quant, smallgemm
     threads = threads or torch.get_num_threads()
     quantized = quant.enabled() if quantized is None else quantized

@@ -9,7 +9,7 @@ additions differs from the float32 path, as between any two kernels.
 The packed blocks are built once from the GGUF file named in the converted folder, each matrix
 checked to dequantize bitwise to the float32 weight it stands for (a matrix that does not, or
 whose type the kernel does not know, stays float32), and cached next to the weights in
-``QUANT_FILE``. ``JAKIRO_QUANTIZED=1`` (or ``--quantized``) switches it on.
+``QUANT_FILE``. On by default; ``JAKIRO_QUANTIZED=0`` (or ``--float32``) streams the float32 copy.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 
 
 def enabled() -> bool:
-    return os.environ.get("JAKIRO_QUANTIZED", "") not in ("", "0")
+    """Whether targets converted from GGUF files stream their blocks (the default)."""
+    return os.environ.get("JAKIRO_QUANTIZED", "1") not in ("", "0")
 
 
 def record_source(folder: str, gguf_path: str) -> None:

@@ -203,7 +203,7 @@ class TargetModel:
     @classmethod
     def from_folder(cls, folder: str, dtype: torch.dtype = torch.float32,
                     quantized: bool | None = None) -> "TargetModel":
-        """``quantized`` (default: ``JAKIRO_QUANTIZED``): stream the GGUF blocks of a model
+        """``quantized`` (default: on unless ``JAKIRO_QUANTIZED=0``): stream the GGUF blocks of a model
         converted from a GGUF file, where the small-batch kernel is available."""
         if not os.path.isdir(folder):
             raise JakiroError(f"model folder not found: {folder}")
