@@ -192,11 +192,16 @@ class AdaptiveProposer(Proposer):
             self.inner.observe(features, next_tokens)
 
     # ------------------------------------------------------------------ decisions
-    def reach_probability(self) -> torch.Tensor:
+    def reach_probability(self) -> list[float]:
         """P(accepted path reaches depth i), i = 1..D: the product of the observed chances of
-        getting past each level once the one above was reached, each with an optimistic prior."""
-        conditional = (self.reached[1:] + DEPTH_PRIOR_WEIGHT * PRIOR_DEPTH) / (self.tried[1:] + DEPTH_PRIOR_WEIGHT)
-        return conditional.cumprod(0)
+        getting past each level once the one above was reached, each with an optimistic prior.
+        (Python floats: this runs every cycle, where a dozen tiny tensor operations would cost a
+        few percent of a plain step.)"""
+        out, p = [], 1.0
+        for reached, tried in zip(self.reached.tolist()[1:], self.tried.tolist()[1:]):
+            p *= (reached + DEPTH_PRIOR_WEIGHT * PRIOR_DEPTH) / (tried + DEPTH_PRIOR_WEIGHT)
+            out.append(p)
+        return out
 
     def _count(self, depth: int, reached: int) -> None:
         """One drafted cycle (or probe) whose tree reached ``depth`` and whose accepted path the
@@ -217,13 +222,12 @@ class AdaptiveProposer(Proposer):
         gets there (taken as independent), and the chain alone is the option to beat."""
         c, n_ctx = self.costs, self.context_length
         reach = self.reach_probability()
-        chain = torch.zeros(self.max_depth + max(chain_length, 1))
-        chain[:chain_length] = self.lookup_reach(chain_length)
-        best_depth, best_rate = 0, (1.0 + float(chain.sum())) / c.target(1 + chain_length, n_ctx)
+        chain = self.lookup_reach(chain_length).tolist() if chain_length else []
+        chain += [0.0] * (self.max_depth + max(chain_length, 1) - len(chain))
+        best_depth, best_rate = 0, (1.0 + sum(chain)) / c.target(1 + chain_length, n_ctx)
         for d in range(1, self.max_depth + 1):
-            either = chain.clone()
-            either[:d] = 1 - (1 - chain[:d]) * (1 - reach[:d])
-            expected = 1.0 + float(either.sum())
+            either = [1 - (1 - q) * (1 - r) for q, r in zip(chain[:d], reach[:d])] + chain[d:]
+            expected = 1.0 + sum(either)
             # a path to depth d verifies at least d nodes
             nodes = chain_length + max(d, round(self.nodes[d]))
             rate = expected / (c.target(1 + nodes, n_ctx) + c.draft(d, n_ctx))

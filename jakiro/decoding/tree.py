@@ -60,10 +60,13 @@ def build_tree(tokens: torch.Tensor, parents: torch.Tensor) -> Tree:
 
 
 def chain_tree(root: int, drafted: list[int] | torch.Tensor) -> Tree:
-    """A single path: root followed by the drafted tokens (prompt lookup, top_k = 1 drafts)."""
+    """A single path: root followed by the drafted tokens (prompt lookup, top_k = 1 drafts).
+    Built directly (a plain decoding step is one of these: it should cost nothing)."""
     drafted = torch.as_tensor(drafted, dtype=torch.long).flatten()
     tokens = torch.cat((torch.tensor([root]), drafted))
-    return build_tree(tokens, torch.arange(-1, tokens.shape[0] - 1))
+    n = int(tokens.shape[0])
+    idx = torch.arange(n)
+    return Tree(tokens, idx - 1, idx, torch.ones(n, n, dtype=torch.bool).tril_(), idx.unsqueeze(0))
 
 
 def add_chain(tree: Tree, chain: list[int]) -> Tree:
