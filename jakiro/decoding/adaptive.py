@@ -22,6 +22,8 @@ Verification is untouched: any tree chosen before the target's forward keeps dec
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -248,26 +250,28 @@ class AdaptiveProposer(Proposer):
         b = self._bucket(draft_prob)
         return self.hits[b] / self.seen[b]
 
-    def acceptance(self, tree: Tree) -> torch.Tensor:
-        """Estimated P(node accepted) [n] (root 1): calibrated draft probability for drafted
+    def acceptance(self, tree: Tree) -> list[float]:
+        """Estimated P(node accepted) per node (root 1): calibrated draft probability for drafted
         nodes, the observed chance that the lookup chain matches that deep for lookup nodes, the
         larger for nodes from both; capped by the parent's estimate so that the best k nodes are
-        always ancestor-closed."""
-        est = torch.zeros(tree.size)
-        sources = tree.sources if tree.sources is not None else torch.full((tree.size,), DRAFT)
-        drafted = (sources & DRAFT) > 0
-        est[drafted] = self.calibrated(tree.scores[drafted].exp())
-        looked = ((sources & LOOKUP) > 0).nonzero().flatten()
-        if looked.numel():  # P(the chain matches up to depth d) = product of per-position rates
-            reach = self.lookup_reach(len(self.lookup_seen))
-            d = (tree.depths[looked] - 1).clamp(max=len(reach) - 1)
-            est[looked] = torch.maximum(est[looked], reach[d])
-        est[0] = 1.0
-        capped = est.tolist()
-        parents = tree.parents.tolist()
-        for i in range(1, tree.size):
-            capped[i] = min(capped[i], capped[parents[i]])
-        return torch.tensor(capped)
+        always ancestor-closed. (Python floats: trees are small and this runs every cycle.)"""
+        n = tree.size
+        sources = tree.sources.tolist() if tree.sources is not None else [0] + [DRAFT] * (n - 1)
+        scores = tree.scores.tolist() if tree.scores is not None else [0.0] * n
+        hits, seen = self.hits.tolist(), self.seen.tolist()
+        edges = BUCKETS.tolist()
+        reach = self.lookup_reach(len(self.lookup_seen)).tolist() if self.lookup else []
+        depths, parents = tree.depths.tolist(), tree.parents.tolist()
+        est = [1.0] + [0.0] * (n - 1)
+        for i in range(1, n):
+            e = 0.0
+            if sources[i] & DRAFT:
+                b = min(max(bisect.bisect_right(edges, math.exp(scores[i])) - 1, 0), len(seen) - 1)
+                e = hits[b] / seen[b]
+            if sources[i] & LOOKUP and reach:
+                e = max(e, reach[min(depths[i] - 1, len(reach) - 1)])
+            est[i] = min(e, est[parents[i]])
+        return est
 
     def prune(self, tree: Tree, min_keep: int = 0) -> Tree:
         """Keep the k nodes most likely accepted (an ancestor-closed set) for the k that maximises
@@ -276,19 +280,24 @@ class AdaptiveProposer(Proposer):
         if n == 0:
             return tree
         est = self.acceptance(tree)[1:]
-        order = torch.sort(-est, stable=True).indices  # ties: parents (lower index) first
-        gain = 1.0 + torch.cat((torch.zeros(1), est[order].cumsum(0)))  # [n + 1]
-        cost = torch.tensor([self.costs.target(k + 1, self.context_length) for k in range(n + 1)])
-        k = max(int(torch.argmax(gain / cost)), min(min_keep, n))
+        order = sorted(range(n), key=lambda i: -est[i])  # stable: ties keep parents (lower index) first
+        gain, best_k = 1.0, 0
+        best_rate = gain / self.costs.target(1, self.context_length)
+        for k in range(1, n + 1):
+            gain += est[order[k - 1]]
+            rate = gain / self.costs.target(k + 1, self.context_length)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        k = max(best_k, min(min_keep, n))
         if k == n:
             return tree
-        keep = torch.cat((torch.zeros(1, dtype=torch.long), order[:k].sort().values + 1))
-        position = torch.full((n + 1,), -1, dtype=torch.long)
-        position[keep] = torch.arange(k + 1)
-        parents = torch.where(tree.parents[keep] >= 0, position[tree.parents[keep].clamp(min=0)], -1)
-        pruned = build_tree(tree.tokens[keep], parents)
-        pruned.scores = tree.scores[keep]
-        pruned.sources = tree.sources[keep] if tree.sources is not None else None
+        keep = [0] + sorted(i + 1 for i in order[:k])
+        position = {node: p for p, node in enumerate(keep)}
+        parents = tree.parents.tolist()
+        keep_t = torch.tensor(keep)
+        pruned = build_tree(tree.tokens[keep_t], torch.tensor([-1] + [position[parents[i]] for i in keep[1:]]))
+        pruned.scores = tree.scores[keep_t]
+        pruned.sources = tree.sources[keep_t] if tree.sources is not None else None
         return pruned
 
     def propose(self, context: list[int]) -> Tree:

@@ -35,28 +35,38 @@ class Tree:
 
 
 def build_tree(tokens: torch.Tensor, parents: torch.Tensor) -> Tree:
+    """The tree of ``tokens`` [n] under ``parents`` [n] (parents[0] = -1, parents[i] < i). Walked
+    in Python (a draft tree has a few dozen nodes: a handful of tensor operations per depth level
+    would cost more than the walk) and handed over as tensors in three calls."""
     n = int(tokens.shape[0])
     parents = parents.to(torch.long)
-    if n == 0 or int(parents[0]) != -1:
+    par = parents.tolist()
+    if n == 0 or par[0] != -1:
         raise ValueError("node 0 must be the root (parent -1)")
-    idx = torch.arange(n)
-    if n > 1 and not bool((parents[1:] < idx[1:]).all() and (parents[1:] >= 0).all()):
-        raise ValueError("every non-root node's parent must come before it")
-    tree_mask = torch.eye(n, dtype=torch.bool)
-    depths = torch.zeros(n, dtype=torch.long)
-    anc = parents.clone()
-    while bool((anc >= 0).any()):
-        valid = anc >= 0
-        tree_mask[idx[valid], anc[valid]] = True
-        depths += valid
-        anc = torch.where(valid, parents[anc.clamp(min=0)], anc)
-    is_leaf = torch.ones(n, dtype=torch.bool)
-    is_leaf[parents[1:]] = False
-    leaves = idx[is_leaf]
-    # a leaf's ancestors, sorted by index, are its path from the root (parents precede children)
-    paths = torch.where(tree_mask[leaves], idx, n).sort(dim=1).values[:, : int(depths.max()) + 1]
-    retrieve_paths = torch.where(paths == n, -1, paths)
-    return Tree(tokens.to(torch.long), parents, depths, tree_mask, retrieve_paths)
+    depth = [0] * n
+    rows: list[int] = []
+    cols: list[int] = []
+    is_leaf = [True] * n
+    for i in range(1, n):
+        p = par[i]
+        if not 0 <= p < i:
+            raise ValueError("every non-root node's parent must come before it")
+        depth[i] = depth[p] + 1
+        is_leaf[p] = False
+    paths = []
+    for i in range(n):
+        node = i
+        while node >= 0:  # i and its ancestors: the mask row, and for a leaf its path
+            rows.append(i)
+            cols.append(node)
+            node = par[node]
+        if is_leaf[i]:
+            paths.append(cols[len(cols) - depth[i] - 1:][::-1])
+    width = max(depth) + 1
+    tree_mask = torch.zeros(n, n, dtype=torch.bool)
+    tree_mask[rows, cols] = True
+    retrieve_paths = torch.tensor([path + [-1] * (width - len(path)) for path in paths], dtype=torch.long)
+    return Tree(tokens.to(torch.long), parents, torch.tensor(depth), tree_mask, retrieve_paths)
 
 
 def chain_tree(root: int, drafted: list[int] | torch.Tensor) -> Tree:

@@ -175,10 +175,14 @@ inline void dequant(const uint8_t* blk, vf& lo, vf& hi) {
   // the generic form (#else) compiles to a much slower byte widening here
   const __m512 dv = _mm512_set1_ps(d);
   if (Q4) {
+    // the block's 16 possible weights d * q + m (q = 0..15) in one register, then each nibble
+    // picks its weight (a permute reads only the low four bits of each index): the same values
+    // as converting every nibble and multiplying, in fewer instructions
+    const __m512 table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), dv,
+                                         _mm512_set1_ps(m));
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8)));
-    const __m512 mv = _mm512_set1_ps(m);
-    lo = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), dv, mv);
-    hi = (vf)_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), dv, mv);
+    lo = (vf)_mm512_permutexvar_ps(q, table);
+    hi = (vf)_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   } else {
     lo = (vf)_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8)))), dv);
