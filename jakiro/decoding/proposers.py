@@ -210,15 +210,18 @@ class DraftProposer(Proposer):
 
     def _catch_up(self):
         """One draft forward over the (feature, next token) pairs committed since the last cycle,
-        kept in the draft's cache; returns its output and the number of pairs."""
+        kept in the draft's cache; returns the draft output at the newest pair and its rows (1)."""
         feats = torch.cat([f for f, _ in self._pending])
         toks = torch.cat([t for _, t in self._pending])
         self._pending = []
         base, m = self.cache.length, feats.shape[0]
-        out = self.draft(feats.unsqueeze(0), toks.unsqueeze(0), torch.arange(base, base + m), self.cache)
+        r = self.draft.attend(feats.unsqueeze(0), toks.unsqueeze(0), torch.arange(base, base + m), self.cache)
+        # only the newest position drafts; the others just fill the cache (after a run of plain
+        # steps there are dozens of them, and the MLP or experts over every one would be wasted)
+        out = self.draft.heads(r[:, -1:])
         self.cache.commit(m)
         self.draft_forwards += 1
-        return out, m
+        return out, 1
 
     def _propose_dynamic(self, context: list[int], out, m: int, base: int, depth: int) -> Tree:
         """Expand the top_k frontier layer by layer (one draft forward per layer, the last layer
