@@ -57,23 +57,35 @@ def test_logits_and_features_match_hf_smollm2(smol):
     torch.testing.assert_close(feats, out.hidden_states[-1][0], atol=2e-4, rtol=1e-4)
 
 
+def prefilled(model, prefix, **kw):
+    cache = model.new_cache(64, **kw)
+    model(prefix, cache)
+    cache.commit(len(prefix))
+    return cache
+
+
 def test_tree_branches_match_decoding_each_branch_alone(tiny_llama_dir):
+    """Each root-to-leaf path of a tree forward against the path forwarded alone, and, with the
+    one-call decoder stack, against decoding the path one token at a time: bitwise the same
+    logits (rows never share arithmetic, a row's attention visits its keys in order), which is
+    what greedy equivalence rests on."""
     model = TargetModel.from_folder(tiny_llama_dir)
     prefix = torch.arange(2, 30)
     # root 7 with two branches: 7 -> 9 -> 11 and 7 -> 12 -> 13 -> 14, plus 7 -> 9 -> 15
     tree = build_tree(torch.tensor([7, 9, 12, 11, 13, 15, 14]), torch.tensor([-1, 0, 0, 1, 2, 1, 4]))
-    cache = model.new_cache(64)
-    model(prefix, cache)
-    cache.commit(len(prefix))
+    cache = prefilled(model, prefix, scratch=8)
     logits, feats = model(tree.tokens, cache, cache.length + tree.depths, tree.tree_mask)
     for path in tree.retrieve_paths:
         path = path[path >= 0]
-        alone = model.new_cache(64)
-        model(prefix, alone)
-        alone.commit(len(prefix))
-        ref_logits, ref_feats = model(tree.tokens[path], alone)
+        ref_logits, ref_feats = model(tree.tokens[path], prefilled(model, prefix))
         torch.testing.assert_close(logits[path], ref_logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(feats[path], ref_feats, atol=1e-5, rtol=1e-5)
+        if model._fused is not None:
+            alone = prefilled(model, prefix)
+            for index in path.tolist():
+                step, _ = model(tree.tokens[index:index + 1], alone)
+                alone.commit(1)
+                assert torch.equal(step[0], logits[index])
 
 
 needs_kernel = pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")
@@ -98,28 +110,6 @@ def test_fused_decoder_stack_matches_torch_operations(tmp_path, model_type):
         outputs.append((logits, feats, step, cache.data[:, :, :, :, :36].clone()))
     for got, expected in zip(*outputs):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-
-
-@needs_kernel
-def test_a_tokens_logits_are_bitwise_the_same_in_a_tree_and_decoded_alone(tiny_llama_dir):
-    """Greedy equivalence rests on this: a verified token gets exactly the logits plain decoding
-    gives it (rows never share arithmetic; a row's attention visits its keys in order)."""
-    model = TargetModel.from_folder(tiny_llama_dir)
-    tree = build_tree(torch.tensor([7, 9, 12, 11, 13, 15, 14]), torch.tensor([-1, 0, 0, 1, 2, 1, 4]))
-    prefix = torch.arange(2, 30)
-    cache = model.new_cache(64, scratch=8)
-    model(prefix, cache)
-    cache.commit(len(prefix))
-    tree_logits, _ = model(tree.tokens, cache, cache.length + tree.depths, tree.tree_mask)
-    for path in tree.retrieve_paths:
-        path = path[path >= 0]
-        alone = model.new_cache(64)
-        model(prefix, alone)
-        alone.commit(len(prefix))
-        for index in path.tolist():
-            step, _ = model(tree.tokens[index:index + 1], alone)
-            alone.commit(1)
-            assert torch.equal(step[0], tree_logits[index])
 
 
 def test_keep_compacts_accepted_path_and_next_forward_matches(tiny_llama_dir):
