@@ -156,7 +156,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
 constexpr int64_t QB = 32;  // values per block
 // output rows streamed together, each from its own span of the matrix (measured on the
 // development CPU, all the default target's Q4_1 matrices, one row: 14.3 ms on one thread with
-// two neighbouring rows, 7.4 ms with six spans; 6 rows x 4 register rows fit the 32 registers)
+// two neighbouring rows, 7.4 ms with six spans), for up to four input rows (see qlinear_rows)
 constexpr int64_t NQ = 6;
 
 typedef uint8_t v16b __attribute__((vector_size(16)));
@@ -232,10 +232,10 @@ void qblock(const float* x, int64_t K, const uint8_t* w, int64_t wstride, float*
 
 constexpr int64_t QR = 8;  // rows per register block of the quantized kernel
 
-template <bool Q4, int64_t NN>
+// NN x RB partial sums stay in registers (with the dequantized block and x: at most 32)
+template <bool Q4, int64_t NN, int64_t RB>
 void qgroup(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t wstride, float* y, int64_t N,
             int64_t ystride) {
-  constexpr int64_t RB = NN > 2 ? 4 : QR;  // rows per pass: NN x RB partial sums in registers
   int64_t m = 0;
   for (; m + RB <= M; m += RB) qblock<Q4, NN, RB>(x + m * K, K, w, wstride, y + m * N, N, ystride);
   const float* xm = x + m * K;
@@ -252,21 +252,32 @@ void qgroup(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t wstr
   }
 }
 
-// Output rows are taken NQ at a time from NQ equal spans of the matrix: NQ sequential read
-// streams per thread (one stream alone leaves the memory system idle between its misses).
-template <bool Q4>
-void qlinear_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* yp) {
+// Output rows are taken NN at a time from NN equal spans of the matrix: NN sequential read
+// streams per thread (one stream alone leaves the memory system idle between its misses). Up to
+// four input rows, six streams of four rows; from five rows, where the multiply-adds rather than
+// the reads set the pace, three streams of eight rows, so that each block is dequantized once
+// for up to eight rows instead of once per four.
+template <bool Q4, int64_t NN, int64_t RB>
+void qlinear_spans(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* yp) {
   constexpr int64_t BB = block_bytes<Q4>();
-  const int64_t row_bytes = (K / QB) * BB, span = (N + NQ - 1) / NQ;
+  const int64_t row_bytes = (K / QB) * BB, span = (N + NN - 1) / NN;
   at::parallel_for(0, span, 8, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      if (g + (NQ - 1) * span < N) {
-        qgroup<Q4, NQ>(xp, M, K, wp + g * row_bytes, span * row_bytes, yp + g, N, span);
+      if (g + (NN - 1) * span < N) {
+        qgroup<Q4, NN, RB>(xp, M, K, wp + g * row_bytes, span * row_bytes, yp + g, N, span);
       } else {
-        for (int64_t n = g; n < N; n += span) qgroup<Q4, 1>(xp, M, K, wp + n * row_bytes, 0, yp + n, N, 0);
+        for (int64_t n = g; n < N; n += span) qgroup<Q4, 1, QR>(xp, M, K, wp + n * row_bytes, 0, yp + n, N, 0);
       }
     }
   });
+}
+
+template <bool Q4>
+void qlinear_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* yp) {
+  if (M <= 4)
+    qlinear_spans<Q4, NQ, 4>(xp, M, K, wp, N, yp);
+  else
+    qlinear_spans<Q4, 3, 8>(xp, M, K, wp, N, yp);
 }
 
 template <bool Q4>
