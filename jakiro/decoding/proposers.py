@@ -69,7 +69,6 @@ class PromptLookupProposer(Proposer):
         done = len(self._indexed)
         if done > len(context) or context[:done] != self._indexed:  # another request: start over
             self._latest, done = {}, 0
-            self._indexed = []
         length = len(context)
         for n in range(self.min_ngram, self.max_ngram + 1):
             for start in range(max(0, done - n), length - n):  # n-grams ending before the last token
@@ -202,15 +201,15 @@ class DraftProposer(Proposer):
         """The EAGLE-2 tree of the budget, or of ``depth`` draft layers when given (<= the
         budget's depth: the draft's scratch cache is sized for it). Node scores are attached."""
         depth = self.budget.depth if depth is None else min(depth, self.budget.depth)
-        out, m = self._catch_up()
+        out = self._catch_up()
         base = self.cache.length  # = position of the root token
         if self.static is not None:
-            return self._propose_static(context, out, m, base)
-        return self._propose_dynamic(context, out, m, base, depth)
+            return self._propose_static(context, out, base)
+        return self._propose_dynamic(context, out, base, depth)
 
     def _catch_up(self):
         """One draft forward over the (feature, next token) pairs committed since the last cycle,
-        kept in the draft's cache; returns the draft output at the newest pair and its rows (1)."""
+        kept in the draft's cache; returns the draft output at the newest pair (one row)."""
         feats = torch.cat([f for f, _ in self._pending])
         toks = torch.cat([t for _, t in self._pending])
         self._pending = []
@@ -221,14 +220,14 @@ class DraftProposer(Proposer):
         out = self.draft.heads(r[:, -1:])
         self.cache.commit(m)
         self.draft_forwards += 1
-        return out, 1
+        return out
 
-    def _propose_dynamic(self, context: list[int], out, m: int, base: int, depth: int) -> Tree:
+    def _propose_dynamic(self, context: list[int], out, base: int, depth: int) -> Tree:
         """Expand the top_k frontier layer by layer (one draft forward per layer, the last layer
         from the contrastive branch with parallel decoding), then keep the best-scored nodes."""
         k, cache = self.budget.top_k, self.cache
         cands = _Candidates()
-        rows = torch.tensor([m - 1])  # forwarded rows of the current frontier in `out`
+        rows = torch.tensor([0])  # forwarded rows of the current frontier in `out`
         front_ids = torch.tensor([-1])  # their candidate ids (-1 = the root)
         front_scores = torch.zeros(1)
         slot_rows = torch.zeros(1, depth * k, dtype=torch.bool)  # draft scratch slots each frontier node sees
@@ -263,14 +262,14 @@ class DraftProposer(Proposer):
         cache.truncate(base)
         return cands.tree(context[-1], self.budget.total_tokens)
 
-    def _propose_static(self, context: list[int], out, m: int, base: int) -> Tree:
+    def _propose_static(self, context: list[int], out, base: int) -> Tree:
         """Fill the static tree level by level: the children of all nodes at one level come from
         one draft forward of those nodes (rank r = the node's r-th candidate); with parallel
         decoding the last level comes from the contrastive branch of the level above's parents."""
         st, draft, cache = self.static, self.draft, self.cache
         tokens, parents, scores = [context[-1]], [-1], [0.0]
         node_of: dict[tuple, int] = {(): 0}
-        output_of: dict[tuple, tuple] = {(): (out, m - 1)}  # forwarded node -> (draft output, row)
+        output_of: dict[tuple, tuple] = {(): (out, 0)}  # forwarded node -> (draft output, row)
         slots_of: dict[tuple, list[int]] = {(): []}  # scratch slots of a node's forwarded ancestors-or-self
         carried: dict[tuple, tuple] = {}  # node -> (feature that proposed it, its token)
         n_slots = 0

@@ -11,6 +11,7 @@ constexpr int64_t VL = 16;  // floats per vector
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 
 inline vf load(const float* p) {
   vf v;

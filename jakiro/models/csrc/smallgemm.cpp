@@ -161,7 +161,7 @@ constexpr int64_t NQ = 6;
 
 typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef int8_t v16s __attribute__((vector_size(16)));
-typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
+using jakiro::vi;
 
 template <bool Q4>
 constexpr int64_t block_bytes() { return 8 + (Q4 ? QB / 2 : QB); }
