@@ -73,7 +73,7 @@ def test_side_by_side_kernel_comparison_builds_a_torch_copy_and_restores_the_ker
     w = torch.randn(40, 16)
     with smallgemm.disabled():
         assert FastLinear(w).small is None and smallgemm.status() == "off (disabled for comparison)"
-    assert FastLinear(w).small is not None and smallgemm.status() == "on"
+    assert FastLinear(w).small is not None and smallgemm.status().startswith("on")
     folder = make_tiny_target(str(tmp_path), "llama")
     report = kernel_comparison(TargetModel.from_folder(folder), folder, context=8, repeats=1, rounds=1)
     assert set(report) == {"small_batch", "torch", "torch_over_small_batch"}

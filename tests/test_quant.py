@@ -14,6 +14,7 @@ from jakiro.models import quant, smallgemm
 from jakiro.models.linear import SMALL_ROWS, FastLinear
 
 needs_kernel = pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")
+needs_tiles = pytest.mark.skipif(not smallgemm.tiles_enabled(), reason="no AMX tile unit (or kernel) here")
 gguf = pytest.importorskip("gguf")
 TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -35,20 +36,69 @@ def test_packed_blocks_dequantize_bitwise_to_ggufs_values(kind):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, SMALL_ROWS, SMALL_ROWS + 3])
-def test_quantized_kernel_matches_the_dequantized_matrix(kind, rows):
-    out, cols = 70, 576  # 70 outputs: six spans of 12 rows, the last two groups one row short
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 11, 16, 17, SMALL_ROWS, SMALL_ROWS + 3])
+# 70 outputs: the portable kernel's six spans of 12 rows, the last two groups one row short;
+# 112: seven tile groups (on AMX CPUs), two or three in flight and a remainder
+@pytest.mark.parametrize("out", [70, 112])
+def test_quantized_kernel_matches_the_dequantized_matrix(kind, rows, out):
+    cols = 576
     raw, reference = quantized_matrix(kind, out, cols, seed=rows)
     packed = quant.pack_blocks(raw, kind, out, cols)
     bias = torch.randn(out)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     layer = FastLinear(reference, bias, quantized=(kind, packed))
+    assert layer.tiles == (out % 16 == 0 and smallgemm.tiles_enabled())
     got = layer(x)
     expected = torch.nn.functional.linear(x.double(), reference.double(), bias.double()).float()
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-5)
-    assert layer.streamed_bytes == packed.numel() + out * 4
+    assert layer.streamed_bytes == layer.blocks.numel() + out * 4  # Q8_0 tiles drop the blocks' zero offsets
+    assert layer.blocks.numel() == packed.numel() - (0 if kind == "q4_1" or not layer.tiles else out * cols // 8)
     if rows <= SMALL_ROWS:  # a row's result does not depend on the rows that come with it
         assert torch.equal(layer(x[-1:]), got[-1:])
+
+
+@needs_tiles
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+def test_tile_kernel_keeps_float32_accuracy_on_hard_inputs(kind):
+    """Inputs go through the tile unit as three bytes per value, scaled per block of 32 (each
+    input rounded to 2^-23 of its block's largest value): blocks with one huge value, of tiny or
+    zero values, and values at the rounding boundaries of the byte split stay within that
+    rounding plus float32 arithmetic; a non-finite input gives a non-finite output."""
+    out, cols = 48, 256
+    raw, reference = quantized_matrix(kind, out, cols, seed=7)
+    packed = quant.pack_blocks(raw, kind, out, cols)
+    tiles = smallgemm.tile_layout(packed)
+    assert tiles.shape[0] == out // 16 and not torch.equal(tiles.flatten()[:64], packed.flatten()[:64])
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, cols, generator=gen)
+    x[0, 5] = 3e4  # one value dwarfs its block
+    x[1, :32] = 0  # an all-zero block
+    x[2, 32:64] *= 1e-20  # tiny values
+    x[3] = torch.ldexp(torch.ones(cols), torch.randint(-30, 30, (cols,), generator=gen)).neg_()  # powers of two
+    x[4, :64] = 2.0 ** -20 * torch.arange(64)  # exact multiples of the byte split's smallest step
+    expected = (x.double() @ reference.double().T)
+    w = reference.double().abs().T
+    arithmetic = 2e-6 * (x.double().abs() @ w)  # float32 sums of these terms
+    block_max = x.double().abs().reshape(6, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(6, cols)
+    rounding = 2.0 ** -23 * (block_max @ w)
+    got = smallgemm.quantized_linear(x, tiles, out).double()
+    assert bool(((got - expected).abs() <= arithmetic + rounding).all())
+    assert bool(((got - expected).abs()[1:] <= arithmetic[1:]).all())  # no block with a wide range
+    portable = smallgemm.quantized_linear(x, packed, out).double()
+    assert bool(((portable - expected).abs() <= arithmetic).all())
+    x[5, 40] = float("nan")
+    assert bool(smallgemm.quantized_linear(x, tiles, out)[5].isnan().all())
+
+
+def test_tile_kernel_can_be_switched_off(tmp_path):
+    import os
+    import subprocess
+    import sys
+    code = ("from jakiro.models import smallgemm; import torch; "
+            "print(smallgemm.tiles_enabled(), smallgemm.tile_layout(torch.zeros(16, 2, 24, dtype=torch.uint8)).shape)")
+    env = dict(os.environ, JAKIRO_AMX="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split("\n")[-2] == "False torch.Size([16, 2, 24])"
 
 
 def test_matrices_that_do_not_reproduce_the_model_stay_float32(tmp_path):
@@ -108,7 +158,10 @@ def test_default_target_quantized_decoding_steps_match_float32(smol):
     # bench-cost --quantized --compare-kernels: the quantized, float32 and torch kernels side by side
     from jakiro.bench.cost_curve import kernel_comparison, weight_bytes
     report = kernel_comparison(model, smol.target_path, context=8, repeats=1, rounds=1)
-    assert set(report) == {"quantized", "small_batch", "torch", "torch_over_small_batch", "small_batch_over_quantized"}
+    tiles = {"quantized_portable", "portable_over_tiles"} if model.tile_matrices else set()
+    assert set(report) == {"quantized", "small_batch", "torch", "torch_over_small_batch",
+                           "small_batch_over_quantized"} | tiles
+    assert model.tile_matrices == (4 * model.config.num_layers + 1 if smallgemm.tiles_enabled() else 0)
     assert weight_bytes(model) < weight_bytes(smol.target) / 4  # Q4_1 layers and a Q8_0 head
 
 

@@ -85,12 +85,16 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
 def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int, rounds: int = 3) -> dict:
     """Forward costs with the small-batch kernel (``with_kernel``, a loaded target) and with
     torch's kernels (a second copy), and where ``with_kernel`` streams quantized weights also
-    with the kernel on float32 weights (a third), measured alternately (machine drift hits all
-    alike); medians over ``rounds``."""
+    with the kernel on float32 weights (a third) and, where it streams them through the AMX
+    kernel, with the portable quantized kernel (a fourth), measured alternately (machine drift
+    hits all alike); medians over ``rounds``."""
     from ..models.target import TargetModel
     models = {}
     if with_kernel.quantized_matrices:
         models["quantized"] = with_kernel
+        if with_kernel.tile_matrices:
+            with smallgemm.tiles_disabled():
+                models["quantized_portable"] = TargetModel.from_folder(target_path, quantized=True)
         models["small_batch"] = TargetModel.from_folder(target_path, quantized=False)
     else:
         models["small_batch"] = with_kernel
@@ -108,6 +112,8 @@ def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int,
     out["torch_over_small_batch"] = ratio("torch", "small_batch")
     if "quantized" in medians:
         out["small_batch_over_quantized"] = ratio("small_batch", "quantized")
+    if "quantized_portable" in medians:
+        out["portable_over_tiles"] = ratio("quantized_portable", "quantized")
     return out
 
 
@@ -152,6 +158,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         "threads": torch.get_num_threads(),
         "small_batch_kernel": smallgemm.status(),
         "quantized_matrices": jk.target.quantized_matrices,
+        "tile_matrices": jk.target.tile_matrices,
         "context": context,
         "weights_mb": round(nbytes / 1e6, 1),
         "memory_floor_ms": round(floor, 2),

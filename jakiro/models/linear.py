@@ -33,8 +33,8 @@ def _pack(weight: torch.Tensor) -> torch.Tensor | None:
 class FastLinear:
     """y = x @ W^T (+ b) for x [rows, in]."""
 
-    __slots__ = ("weight", "weight_t", "packed", "small", "quantized", "bias", "out_features", "in_features",
-                 "element_size")
+    __slots__ = ("weight", "weight_t", "packed", "small", "quantized", "blocks", "bias", "out_features",
+                 "in_features", "element_size")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False,
                  quantized: tuple[str, torch.Tensor] | None = None):
@@ -47,6 +47,8 @@ class FastLinear:
         self.element_size = weight.element_size()
         use_small = weight.dtype == torch.float32 and smallgemm.available()
         self.quantized = quantized if use_small else None
+        # what the kernel reads: the blocks, in the AMX kernel's layout where it runs
+        self.blocks = smallgemm.tile_layout(quantized[1]) if self.quantized is not None else None
         self.small = smallgemm.pack(weight) if use_small and quantized is None else None
         self.packed = _pack(weight)
         small_path = self.small is not None or self.quantized is not None
@@ -56,7 +58,7 @@ class FastLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.quantized is not None and rows <= SMALL_ROWS:
-            y = smallgemm.quantized_linear(x, *self.quantized)
+            y = smallgemm.quantized_linear(x, self.blocks, self.out_features)
             return y if self.bias is None else y.add_(self.bias)
         if self.small is not None and rows <= SMALL_ROWS:
             return smallgemm.linear(x, self.small, self.out_features, self.bias)
@@ -69,14 +71,19 @@ class FastLinear:
     @property
     def kernel_weight(self) -> torch.Tensor | None:
         """The weight as the small-batch kernel reads it (packed float32 or GGUF blocks), if any."""
-        return self.quantized[1] if self.quantized is not None else self.small
+        return self.blocks if self.quantized is not None else self.small
+
+    @property
+    def tiles(self) -> bool:
+        """Whether the blocks go through the AMX kernel (``smallgemm.tile_layout``)."""
+        return self.quantized is not None and self.blocks is not self.quantized[1]
 
     @property
     def streamed_bytes(self) -> int:
         """Bytes of weight (and bias) a forward of a few rows reads."""
         if self.quantized is None:
             return self.numel * self.element_size
-        return self.quantized[1].numel() + (self.bias.numel() * self.element_size if self.bias is not None else 0)
+        return self.blocks.numel() + (self.bias.numel() * self.element_size if self.bias is not None else 0)
 
     @property
     def numel(self) -> int:

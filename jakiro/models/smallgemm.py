@@ -19,7 +19,8 @@ import torch
 
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCE = os.path.join(CSRC, "smallgemm.cpp")
-MORE_SOURCES = (os.path.join(CSRC, "decoder.cpp"),)  # the fused decoder stack (``decoder_layers``)
+# the fused decoder stack (``decoder_layers``) and the AMX kernel for GGUF blocks
+MORE_SOURCES = (os.path.join(CSRC, "decoder.cpp"), os.path.join(CSRC, "amx.cpp"))
 HEADERS = (os.path.join(CSRC, "kernels.h"),)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _state: dict = {}
@@ -91,9 +92,24 @@ def disabled():
         _state.update(saved)
 
 
+@contextlib.contextmanager
+def tiles_disabled():
+    """Layers built inside stream GGUF blocks with the portable kernel, not the AMX one (for
+    side-by-side measurements)."""
+    tiles_enabled()
+    saved = _state["amx"]
+    _state["amx"] = False
+    try:
+        yield
+    finally:
+        _state["amx"] = saved
+
+
 def status() -> str:
-    """'on', or 'off (why)': reported by ``jakiro bench-cost``."""
-    return "on" if available() else f"off ({_state.get('reason', 'unavailable')})"
+    """'on', 'on, AMX tiles for GGUF blocks', or 'off (why)': reported by ``jakiro bench-cost``."""
+    if not available():
+        return f"off ({_state.get('reason', 'unavailable')})"
+    return "on, AMX tiles for GGUF blocks" if tiles_enabled() else "on"
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -104,10 +120,26 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return torch.ops.jakiro_smallgemm.linear(x, packed, out_features, bias)
 
 
-def quantized_linear(x: torch.Tensor, kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    """x @ W^T for W in GGUF blocks packed by ``quant.pack_blocks`` (kind ``q4_1`` or ``q8_0``)."""
-    op = torch.ops.jakiro_smallgemm.q4_1_linear if kind == "q4_1" else torch.ops.jakiro_smallgemm.q8_0_linear
-    return op(x, blocks)
+def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x @ W^T for W in GGUF blocks, packed by ``quant.pack_blocks`` or by ``tile_layout``."""
+    return torch.ops.jakiro_smallgemm.quantized_linear(x, blocks, out_features)
+
+
+def tiles_enabled() -> bool:
+    """Whether GGUF blocks go through the AMX tile kernel: on CPUs that have it (Sapphire
+    Rapids and later, where the kernel was built for one), unless ``JAKIRO_AMX=0``."""
+    if "amx" not in _state:
+        _state["amx"] = (os.environ.get("JAKIRO_AMX", "1") not in ("", "0") and available()
+                         and bool(torch.ops.jakiro_smallgemm.amx_usable()))
+    return _state["amx"]
+
+
+def tile_layout(blocks: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel runs here
+    (and out is a multiple of 16); else unchanged."""
+    if blocks.shape[0] % 16 or not tiles_enabled():
+        return blocks
+    return torch.ops.jakiro_smallgemm.amx_pack(blocks)
 
 
 def decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask, num_heads, num_kv_heads, eps, scale):

@@ -184,6 +184,13 @@ class TargetModel:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._fused = self._fused_weights()
 
+    @property
+    def tile_matrices(self) -> int:
+        """Weight matrices (as the runtime stacks them: q/k/v and gate/up in one) streamed through
+        the AMX kernel."""
+        linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(lin.tiles for lin in linears + [self.lm_head])
+
     def _fused_weights(self) -> tuple[list, list[int]] | None:
         """The layers' weights as ``smallgemm.decoder_layers`` takes them (nine per layer), where
         every matrix has a small-batch kernel layout; else None (forwards stay in torch)."""

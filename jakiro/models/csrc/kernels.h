@@ -40,4 +40,12 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
 // whether ``w`` is a weight ``apply_linear`` takes for N outputs and K inputs
 bool valid_linear(const at::Tensor& w, int64_t N, int64_t K);
 
+// The AMX kernel (amx.cpp): whether this CPU and build can run it (asks the kernel for the tile
+// state once), GGUF blocks [N][K/32][bytes] -> its layout [N/16][K/32][bytes'], whether a
+// weight is in that layout, and y [M, N] = x [M, K] @ W^T for such a weight.
+bool amx_usable();
+at::Tensor amx_pack(const at::Tensor& blocks);
+bool amx_weight(const at::Tensor& w);
+void amx_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y);
+
 }  // namespace jakiro

@@ -280,24 +280,6 @@ void qlinear_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
     qlinear_spans<Q4, 3, 8>(xp, M, K, wp, N, yp);
 }
 
-template <bool Q4>
-at::Tensor qlinear_impl(const at::Tensor& x, const at::Tensor& blocks) {
-  constexpr int64_t BB = block_bytes<Q4>();
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quantized linear: x must be [rows, in] float32");
-  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.size(2) == BB &&
-                  blocks.size(1) * QB == x.size(1) && blocks.is_contiguous(),
-              "quantized linear: the packed blocks do not match x");
-  auto xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), N = blocks.size(0);
-  auto y = at::empty({M, N}, xc.options());
-  if (M == 0) return y;
-  qlinear_rows<Q4>(xc.data_ptr<float>(), M, K, blocks.data_ptr<uint8_t>(), N, y.data_ptr<float>());
-  return y;
-}
-
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks) { return qlinear_impl<true>(x, blocks); }
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& blocks) { return qlinear_impl<false>(x, blocks); }
-
 }  // namespace
 
 namespace jakiro {
@@ -307,7 +289,9 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
     linear_rows(x, M, K, w.data_ptr<float>(), N, bias, y);
     return;
   }
-  if (w.size(2) == block_bytes<true>())
+  if (amx_weight(w))
+    amx_linear_rows(x, M, K, w, N, y);
+  else if (w.size(2) == block_bytes<true>())
     qlinear_rows<true>(x, M, K, w.data_ptr<uint8_t>(), N, y);
   else
     qlinear_rows<false>(x, M, K, w.data_ptr<uint8_t>(), N, y);
@@ -319,15 +303,36 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
 bool valid_linear(const at::Tensor& w, int64_t N, int64_t K) {
   if (!w.is_contiguous() || w.dim() != 3) return false;
   if (w.scalar_type() == at::kFloat) return w.size(2) == VL && w.size(1) == K && N <= w.size(0) * VL && N > (w.size(0) - 1) * VL;
+  if (amx_weight(w)) return w.size(0) * 16 == N && w.size(1) * QB == K && amx_usable();
   return w.scalar_type() == at::kByte && w.size(0) == N && w.size(1) * QB == K &&
          (w.size(2) == block_bytes<true>() || w.size(2) == block_bytes<false>());
 }
 
 }  // namespace jakiro
 
+namespace {
+
+// y [M, N] = x [M, K] @ W^T for W in GGUF blocks, in the layout of the portable kernel
+// ([N][K/32][bytes]) or of the AMX kernel (``amx_pack``)
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quantized linear: x must be [rows, in] float32");
+  TORCH_CHECK(w.scalar_type() == at::kByte && jakiro::valid_linear(w, N, x.size(1)),
+              "quantized linear: the packed blocks do not match x");
+  auto xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1);
+  auto y = at::empty({M, N}, xc.options());
+  if (M > 0) jakiro::apply_linear(w, N, nullptr, xc.data_ptr<float>(), M, K, y.data_ptr<float>());
+  return y;
+}
+
+bool amx_usable() { return jakiro::amx_usable(); }
+
+}  // namespace
+
 TORCH_LIBRARY(jakiro_smallgemm, m) {
   m.def("pack(Tensor weight) -> Tensor", pack);
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", linear);
-  m.def("q4_1_linear(Tensor x, Tensor blocks) -> Tensor", q4_1_linear);
-  m.def("q8_0_linear(Tensor x, Tensor blocks) -> Tensor", q8_0_linear);
+  m.def("quantized_linear(Tensor x, Tensor blocks, int n) -> Tensor", quantized_linear);
+  m.def("amx_usable() -> bool", amx_usable);
+  m.def("amx_pack(Tensor blocks) -> Tensor", jakiro::amx_pack);
 }
