@@ -157,6 +157,85 @@ inline jakiro::vf4 dot4(const float* q, const float* const* k) {
   return hsum4(a, b, c, d);
 }
 
+// Scores of G query heads q [G][C vectors] against keys k[0..3]: each key vector loaded once for
+// all G heads; per head the same chains, in the same order, as dot4
+template <int C, int G>
+inline void dot4_heads(const float* q, int64_t D, const float* const* k, jakiro::vf4* out) {
+  vf acc[G][4];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < 4; ++j) acc[h][j] = vf{};
+  for (int i = 0; i < C; ++i) {
+    const vf k0 = load(k[0] + i * VL), k1 = load(k[1] + i * VL), k2 = load(k[2] + i * VL), k3 = load(k[3] + i * VL);
+    for (int h = 0; h < G; ++h) {
+      const vf qv = load(q + h * D + i * VL);
+      acc[h][0] += qv * k0;
+      acc[h][1] += qv * k1;
+      acc[h][2] += qv * k2;
+      acc[h][3] += qv * k3;
+    }
+  }
+  for (int h = 0; h < G; ++h) out[h] = hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+}
+
+// softmax of each head's scores in place (s [g][L]); returns 1 / sum per head in inv
+inline void softmax_rows(float* scores, int64_t g, int64_t L, float* inv) {
+  for (int64_t h = 0; h < g; ++h) {
+    float* s = scores + h * L;
+    float m = s[0];
+    for (int64_t j = 1; j < L; ++j) m = std::max(m, s[j]);
+    vf acc = vf{};
+    int64_t j = 0;
+    for (; j + VL <= L; j += VL) {
+      const vf e = vexp(load(s + j) - m);
+      store(s + j, e);
+      acc += e;
+    }
+    float sum = hsum(acc);
+    for (; j < L; ++j) {
+      s[j] = sexp(s[j] - m);
+      sum += s[j];
+    }
+    inv[h] = 1.f / sum;
+  }
+}
+
+// The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D]. Keys and
+// values are read once for all G heads; each head's sums are those of the one-head loop below.
+template <int C, int G>
+void attend_heads(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
+                  float scale, float* out, float* scores) {
+  const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
+  auto key = [&](int64_t i) { return i < P ? i : vis.extra[i - P]; };
+  int64_t i = 0;
+  for (; i + 4 <= L; i += 4) {
+    const float* k[4] = {K + key(i) * ld, K + key(i + 1) * ld, K + key(i + 2) * ld, K + key(i + 3) * ld};
+    jakiro::vf4 s4[G];
+    dot4_heads<C, G>(q, D, k, s4);
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < 4; ++j) scores[h * L + i + j] = s4[h][j] * scale;
+  }
+  for (; i < L; ++i) {
+    const float* k = K + key(i) * ld;
+    for (int h = 0; h < G; ++h) scores[h * L + i] = dot(q + h * D, k, D) * scale;
+  }
+  float inv[G];
+  softmax_rows(scores, G, L, inv);
+  vf acc[G][C];
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = vf{};
+  for (int64_t t = 0; t < L; ++t) {
+    const float* v = V + key(t) * ld;
+    vf vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load(v + c * VL);
+    for (int h = 0; h < G; ++h) {
+      const float p = scores[h * L + t];
+      for (int c = 0; c < C; ++c) acc[h][c] += p * vv[c];
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) store(out + h * D + c * VL, acc[h][c] * inv[h]);
+}
+
 // The g query heads q [g][D] sharing one KV head attend the keys `vis`: out [g][D].
 // scores: scratch of g * (number of keys) floats. C = D / 16 vectors per head (0: any D).
 template <int C>
@@ -178,23 +257,11 @@ void attend(const float* q, int64_t g, const float* K, const float* V, int64_t l
     const float* k = K + key(i) * ld;
     for (int64_t h = 0; h < g; ++h) scores[h * L + i] = dot(q + h * D, k, D) * scale;
   }
+  std::vector<float> invs(g);
+  softmax_rows(scores, g, L, invs.data());
   for (int64_t h = 0; h < g; ++h) {
-    float* s = scores + h * L;
-    float m = s[0];
-    for (int64_t j = 1; j < L; ++j) m = std::max(m, s[j]);
-    vf acc = vf{};
-    int64_t j = 0;
-    for (; j + VL <= L; j += VL) {
-      const vf e = vexp(load(s + j) - m);
-      store(s + j, e);
-      acc += e;
-    }
-    float sum = hsum(acc);
-    for (; j < L; ++j) {
-      s[j] = sexp(s[j] - m);
-      sum += s[j];
-    }
-    const float inv = 1.f / sum;
+    const float* s = scores + h * L;
+    const float inv = invs[h];
     float* o = out + h * D;
     if (C > 0) {  // the output row in registers
       vf acc_o[C > 0 ? C : 1];
@@ -219,6 +286,9 @@ void attend(const float* q, int64_t g, const float* K, const float* V, int64_t l
 
 void attend_any(const float* q, int64_t g, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
                 float scale, float* out, float* scores) {
+  if (D == 64 && g == 3) return attend_heads<4, 3>(q, K, V, ld, vis, D, scale, out, scores);
+  if (D == 64 && g == 4) return attend_heads<4, 4>(q, K, V, ld, vis, D, scale, out, scores);
+  if (D == 128 && g == 2) return attend_heads<8, 2>(q, K, V, ld, vis, D, scale, out, scores);
   switch (D) {
     case 64: attend<4>(q, g, K, V, ld, vis, D, scale, out, scores); break;
     case 128: attend<8>(q, g, K, V, ld, vis, D, scale, out, scores); break;
