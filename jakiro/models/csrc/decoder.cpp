@@ -143,22 +143,8 @@ inline jakiro::vf4 hsum4(vf a, vf b, vf c, vf d) {
   return __builtin_shufflevector(abcd, abcd, 0, 2, 4, 6) + __builtin_shufflevector(abcd, abcd, 1, 3, 5, 7);
 }
 
-// Scores of query q [C vectors] against keys k[0..3] (C vectors each), four chains side by side
-template <int C>
-inline jakiro::vf4 dot4(const float* q, const float* const* k) {
-  vf a{}, b{}, c{}, d{};
-  for (int i = 0; i < C; ++i) {
-    const vf qv = load(q + i * VL);
-    a += qv * load(k[0] + i * VL);
-    b += qv * load(k[1] + i * VL);
-    c += qv * load(k[2] + i * VL);
-    d += qv * load(k[3] + i * VL);
-  }
-  return hsum4(a, b, c, d);
-}
-
-// Scores of G query heads q [G][C vectors] against keys k[0..3]: each key vector loaded once for
-// all G heads; per head the same chains, in the same order, as dot4
+// Scores of G query heads q [G][C vectors] against keys k[0..3] (C vectors each): four chains
+// side by side per head, each key vector loaded once for all G heads
 template <int C, int G>
 inline void dot4_heads(const float* q, int64_t D, const float* const* k, jakiro::vf4* out) {
   vf acc[G][4];
@@ -199,8 +185,9 @@ inline void softmax_rows(float* scores, int64_t g, int64_t L, float* inv) {
   }
 }
 
-// The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D]. Keys and
-// values are read once for all G heads; each head's sums are those of the one-head loop below.
+// The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D], D = 16 C.
+// Keys and values are read once for all G heads; a head's sums do not depend on G (attend_any
+// runs other group sizes one head at a time). scores: scratch of G * (number of keys) floats.
 template <int C, int G>
 void attend_heads(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
                   float scale, float* out, float* scores) {
@@ -236,51 +223,33 @@ void attend_heads(const float* q, const float* K, const float* V, int64_t ld, co
     for (int c = 0; c < C; ++c) store(out + h * D + c * VL, acc[h][c] * inv[h]);
 }
 
-// The g query heads q [g][D] sharing one KV head attend the keys `vis`: out [g][D].
-// scores: scratch of g * (number of keys) floats. C = D / 16 vectors per head (0: any D).
-template <int C>
-void attend(const float* q, int64_t g, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
-            float scale, float* out, float* scores) {
+// One query head q [D] attends the keys `vis`, for a head size that is not a multiple of 16
+void attend_scalar(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
+                   float scale, float* out, float* scores) {
   const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
   auto key = [&](int64_t i) { return i < P ? i : vis.extra[i - P]; };
-  int64_t i = 0;
-  if (C > 0) {
-    for (; i + 4 <= L; i += 4) {  // four keys at a time: independent chains, one reduction
-      const float* k[4] = {K + key(i) * ld, K + key(i + 1) * ld, K + key(i + 2) * ld, K + key(i + 3) * ld};
-      for (int64_t h = 0; h < g; ++h) {
-        const jakiro::vf4 s4 = dot4<C>(q + h * D, k);
-        for (int j = 0; j < 4; ++j) scores[h * L + i + j] = s4[j] * scale;
-      }
-    }
+  for (int64_t i = 0; i < L; ++i) scores[i] = dot(q, K + key(i) * ld, D) * scale;
+  float inv;
+  softmax_rows(scores, 1, L, &inv);
+  std::fill(out, out + D, 0.f);
+  for (int64_t t = 0; t < L; ++t) {
+    const float* v = V + key(t) * ld;
+    const float p = scores[t];
+    for (int64_t c = 0; c < D; ++c) out[c] += p * v[c];
   }
-  for (; i < L; ++i) {
-    const float* k = K + key(i) * ld;
-    for (int64_t h = 0; h < g; ++h) scores[h * L + i] = dot(q + h * D, k, D) * scale;
-  }
-  std::vector<float> invs(g);
-  softmax_rows(scores, g, L, invs.data());
+  for (int64_t c = 0; c < D; ++c) out[c] *= inv;
+}
+
+// the g query heads of a KV head one at a time (scores [g][keys] as for attend_heads)
+template <int C>
+void attend_each(const float* q, int64_t g, const float* K, const float* V, int64_t ld, const Visible& vis,
+                 int64_t D, float scale, float* out, float* scores) {
+  const int64_t L = vis.prefix + static_cast<int64_t>(vis.extra.size());
   for (int64_t h = 0; h < g; ++h) {
-    const float* s = scores + h * L;
-    const float inv = invs[h];
-    float* o = out + h * D;
-    if (C > 0) {  // the output row in registers
-      vf acc_o[C > 0 ? C : 1];
-      for (int c = 0; c < C; ++c) acc_o[c] = vf{};
-      for (int64_t t = 0; t < L; ++t) {
-        const float* v = V + key(t) * ld;
-        const float p = s[t];
-        for (int c = 0; c < C; ++c) acc_o[c] += p * load(v + c * VL);
-      }
-      for (int c = 0; c < C; ++c) store(o + c * VL, acc_o[c] * inv);
-    } else {
-      std::fill(o, o + D, 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* v = V + key(t) * ld;
-        const float p = s[t];
-        for (int64_t c = 0; c < D; ++c) o[c] += p * v[c];
-      }
-      for (int64_t c = 0; c < D; ++c) o[c] *= inv;
-    }
+    if constexpr (C > 0)
+      attend_heads<C, 1>(q + h * D, K, V, ld, vis, D, scale, out + h * D, scores + h * L);
+    else
+      attend_scalar(q + h * D, K, V, ld, vis, D, scale, out + h * D, scores + h * L);
   }
 }
 
@@ -290,10 +259,10 @@ void attend_any(const float* q, int64_t g, const float* K, const float* V, int64
   if (D == 64 && g == 4) return attend_heads<4, 4>(q, K, V, ld, vis, D, scale, out, scores);
   if (D == 128 && g == 2) return attend_heads<8, 2>(q, K, V, ld, vis, D, scale, out, scores);
   switch (D) {
-    case 64: attend<4>(q, g, K, V, ld, vis, D, scale, out, scores); break;
-    case 128: attend<8>(q, g, K, V, ld, vis, D, scale, out, scores); break;
-    case 32: attend<2>(q, g, K, V, ld, vis, D, scale, out, scores); break;
-    default: attend<0>(q, g, K, V, ld, vis, D, scale, out, scores); break;
+    case 64: attend_each<4>(q, g, K, V, ld, vis, D, scale, out, scores); break;
+    case 128: attend_each<8>(q, g, K, V, ld, vis, D, scale, out, scores); break;
+    case 32: attend_each<2>(q, g, K, V, ld, vis, D, scale, out, scores); break;
+    default: attend_each<0>(q, g, K, V, ld, vis, D, scale, out, scores); break;
   }
 }
 
