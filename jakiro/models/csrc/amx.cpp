@@ -41,13 +41,12 @@
 
 namespace {
 
-constexpr int64_t QB = 32;   // inputs per block
+using jakiro::QB;  // inputs per block
 constexpr int64_t G = 16;    // output columns per tile
 constexpr int64_t PIECES = 3;
 constexpr int MAX_ROWS = 16;  // rows per pass (3 x 16 byte rows fill three tiles)
 
 constexpr int64_t amx_bytes(bool q4) { return q4 ? 2 * G * 4 + G * QB / 2 : G * 4 + G * QB; }
-constexpr int64_t gguf_bytes(bool q4) { return 8 + (q4 ? QB / 2 : QB); }
 
 #if defined(JAKIRO_AMX)
 
@@ -281,16 +280,17 @@ bool amx_usable() {
 }
 
 bool amx_weight(const at::Tensor& w) {
-  return w.dim() == 3 && w.scalar_type() == at::kByte && (w.size(2) == amx_bytes(true) || w.size(2) == amx_bytes(false));
+  return w.dim() == 3 && w.scalar_type() == at::kByte &&
+         (w.size(2) == amx_bytes(true) || w.size(2) == amx_bytes(false));
 }
 
 at::Tensor amx_pack(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  (blocks.size(2) == gguf_bytes(true) || blocks.size(2) == gguf_bytes(false)),
+                  (blocks.size(2) == gguf_block_bytes(true) || blocks.size(2) == gguf_block_bytes(false)),
               "amx_pack: expected GGUF blocks [rows, in / 32, bytes] (Q4_1 or Q8_0)");
   TORCH_CHECK(blocks.size(0) % G == 0, "amx_pack: the number of rows must be a multiple of 16");
-  const bool q4 = blocks.size(2) == gguf_bytes(true);
-  const int64_t N = blocks.size(0), nb = blocks.size(1), in = gguf_bytes(q4), out = amx_bytes(q4);
+  const bool q4 = blocks.size(2) == gguf_block_bytes(true);
+  const int64_t N = blocks.size(0), nb = blocks.size(1), in = gguf_block_bytes(q4), out = amx_bytes(q4);
   auto packed = at::empty({N / G, nb, out}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();

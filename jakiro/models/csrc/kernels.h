@@ -13,6 +13,11 @@ typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 
+// GGUF blocks as the kernels take them: QB values per block, packed as [d, m as float32][q bytes]
+// (Q4_1: 16 bytes of nibbles; Q8_0: 32 bytes, m = 0)
+constexpr int64_t QB = 32;
+constexpr int64_t gguf_block_bytes(bool q4) { return 8 + (q4 ? QB / 2 : QB); }
+
 inline vf load(const float* p) {
   vf v;
   std::memcpy(&v, p, sizeof(vf));

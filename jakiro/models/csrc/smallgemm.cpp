@@ -153,7 +153,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, cons
 // the float32 bytes streams per forward; the rows' products are accumulated as in ``linear``
 // (per row and output, the same order whatever the number of rows).
 
-constexpr int64_t QB = 32;  // values per block
+using jakiro::QB;  // values per block
 // output rows streamed together, each from its own span of the matrix (measured on the
 // development CPU, all the default target's Q4_1 matrices, one row: 14.3 ms on one thread with
 // two neighbouring rows, 7.4 ms with six spans), for up to four input rows (see qlinear_rows)
@@ -164,7 +164,7 @@ typedef int8_t v16s __attribute__((vector_size(16)));
 using jakiro::vi;
 
 template <bool Q4>
-constexpr int64_t block_bytes() { return 8 + (Q4 ? QB / 2 : QB); }
+constexpr int64_t block_bytes() { return jakiro::gguf_block_bytes(Q4); }
 
 template <bool Q4>
 inline void dequant(const uint8_t* blk, vf& lo, vf& hi) {
