@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-from jakiro.decoding.adaptive import AdaptiveProposer, CostTable
+from jakiro.decoding.adaptive import PROBE_SHARE, AdaptiveProposer, CostTable
 from jakiro.decoding.engine import Engine, Metrics
 from jakiro.decoding.proposers import DraftProposer, TreeBudget
-from jakiro.decoding.tree import build_tree
+from jakiro.decoding.tree import build_tree, chain_tree
 from jakiro.decoding.verify import Verdict
 from test_speculative_greedy import assert_same, random_draft
 
 FREE = CostTable({1: 1.0, 32: 1.0}, {d: 0.0 for d in range(1, 7)})  # verification and drafting cost nothing
 DEAR = CostTable({1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0, 16: 16.0, 32: 32.0}, {d: 0.5 * d for d in range(1, 7)})
-MIXED = CostTable({1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 8: 2.4, 16: 4.0, 32: 7.2}, {1: 0.3, 2: 0.5, 3: 0.7, 4: 0.9, 5: 1.1})
+CHEAP_DRAFT = CostTable({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 8: 1.6, 16: 2.8}, {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4})
 
 
 def test_cost_table_interpolates_and_extends():
@@ -36,6 +36,31 @@ def test_cost_table_grows_with_the_context():
     assert as_dict["context"] == 100 and as_dict["target_ms_per_context_token"] == {"1": 0.01, "9": 0.03}
 
 
+def test_cost_table_after_a_proposal_and_for_long_catch_ups():
+    c = CostTable({1: 10.0, 9: 20.0}, {1: 2.0}, drafted_ms={1: 11.0, 9: 22.0}, catch_up_ms={2: 0.0, 34: 1.6, 258: 4.4})
+    assert c.target(5) == pytest.approx(15.0) and c.target(5, drafted=True) == pytest.approx(16.5)
+    assert c.draft(1) == c.draft(1, pending=2) == 2.0 and c.draft(1, pending=18) == pytest.approx(2.8)
+    assert c.draft(1, pending=146) == pytest.approx(5.0) and c.draft(1, pending=482) == pytest.approx(9.2)
+    assert CostTable({1: 10.0}, {1: 2.0}).target(1, drafted=True) == 10.0  # not measured: the plain curve
+    assert c.as_dict()["target_ms_after_draft"] == {"1": 11.0, "9": 22.0}
+
+
+def test_a_long_catch_up_is_paid_for(tiny):
+    """After a run of plain steps the draft must first read every position it missed: with that
+    cost in the table, a draft that pays after a typical cycle does not pay after 60 of them."""
+    costs = CostTable({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 1.6}, {d: 0.2 * d for d in range(1, 5)},
+                      catch_up_ms={2: 0.0, 34: 1.6})
+    proposer = make(tiny, costs)
+    proposer.start(256)
+    proposer.reached[1:] = torch.tensor([10.0, 5.0, 2.5, 1.0])  # depth 1 reached in half the cycles
+    proposer.tried[1:] = 20.0
+    d = proposer.inner.draft.config.hidden_size
+    proposer.observe(torch.randn(2, d), torch.tensor([1, 2]))
+    assert proposer.inner.pending_rows == 2 and proposer.choose_depth() >= 1
+    proposer.observe(torch.randn(60, d), torch.arange(60))
+    assert proposer.inner.pending_rows == 62 and proposer.choose_depth() == 0
+
+
 def test_measured_costs_cover_every_depth_and_grow_with_the_context(tiny):
     from jakiro.decoding.adaptive import measure_costs
     root, target, tok, prompts, reference = tiny
@@ -45,6 +70,8 @@ def test_measured_costs_cover_every_depth_and_grow_with_the_context(tiny):
     assert all(v > 0 for v in list(c.target_ms.values()) + list(c.draft_ms.values()))
     assert sorted(c.target_slope) == [1, 7] and min(c.target_slope.values()) >= 0.0
     assert c.draft_slope[3] >= c.draft_slope[1] >= 0.0
+    assert sorted(c.drafted_ms) == sorted(c.target_ms) and min(c.drafted_ms.values()) > 0  # after a proposal
+    assert sorted(c.catch_up_ms) == [2, 34] and c.draft(1, pending=40) >= c.draft(1)  # 258 rows do not fit
 
 
 def test_a_good_lookup_chain_leaves_a_weak_draft_idle(tiny):
@@ -83,9 +110,9 @@ def test_prune_keeps_the_nodes_that_pay(tiny):
 
 
 def test_depth_follows_observed_acceptance(tiny):
-    proposer = make(tiny, MIXED)
+    proposer = make(tiny, CHEAP_DRAFT)
     proposer.start(64)
-    assert proposer.choose_depth() >= 1  # the prior is optimistic: drafting is tried
+    assert proposer.choose_depth() >= 1  # the prior is optimistic: a cheap draft is tried
     for _ in range(4):  # four drafted cycles, nothing accepted
         tree = build_tree(torch.tensor([1, 2]), torch.tensor([-1, 0]))
         tree.scores = torch.tensor([0.0, math.log(0.5)])
@@ -101,8 +128,8 @@ def test_depth_follows_observed_acceptance(tiny):
 @pytest.mark.parametrize("costs, method, overrides", [
     (FREE, "jakiro", {}),
     (DEAR, "jakiro", {}),
-    (MIXED, "jakiro", {"num_experts": 4, "experts_per_token": 3, "draft_vocab_size": 48}),
-    (MIXED, "eagle2", {"draft_vocab_size": 64}),
+    (CHEAP_DRAFT, "jakiro", {"num_experts": 4, "experts_per_token": 3, "draft_vocab_size": 48}),
+    (CHEAP_DRAFT, "eagle2", {"draft_vocab_size": 64}),
 ])
 def test_adaptive_greedy_equals_plain(tiny, costs, method, overrides):
     root, target, tok, prompts, reference = tiny
@@ -114,8 +141,11 @@ def test_adaptive_greedy_equals_plain(tiny, costs, method, overrides):
     if costs is FREE:
         assert m.plain_steps == 0  # drafting always pays
     elif costs is DEAR:
-        # plain steps only; probes drafted one level without verifying it
-        assert m.plain_steps == m.target_forwards and 2 <= proposer.tried[1] < m.target_forwards / 4
+        # plain steps but for a few probes (one drafted token verified), each once the plain
+        # steps before it cost 1 / PROBE_SHARE times as much as it
+        probes = m.target_forwards - m.plain_steps
+        assert 1 <= probes <= PROBE_SHARE * m.plain_steps * costs.target(1) / costs.draft(1) and m.depth_tried[1:] == []
+        assert 0 < proposer.probe_ms <= PROBE_SHARE * proposer.plain_ms
     else:
         assert 0 < m.plain_steps < m.target_forwards  # both kinds of cycle in one request
 
@@ -175,3 +205,34 @@ def test_cost_aware_drafting_needs_a_draft_or_lookup(tiny):
     root, target, tok, prompts, reference = tiny
     with pytest.raises(ValueError, match="needs a draft or prompt lookup"):
         AdaptiveProposer(None, target, CostTable({1: 1.0}, {}))
+
+
+def test_lookup_chances_are_kept_apart_by_the_match_that_found_the_chain(tiny):
+    """A chain found by one matching token and one found by three are judged by their own record:
+    after unigram chains kept missing and trigram chains kept matching, a trigram chain is
+    verified and a unigram chain is not."""
+    from jakiro.decoding.proposers import PromptLookupProposer
+    root, target, tok, prompts, reference = tiny
+    lookup = PromptLookupProposer(num_tokens=4)
+    assert lookup.match([1, 2, 3, 4, 5, 6, 1, 2, 3]) == ([4, 5, 6, 1], 3)
+    assert lookup.match([7, 8, 9, 10, 11, 9]) == ([10, 11, 9], 1)
+    assert lookup.match([7, 8]) == ([], 0)
+    proposer = AdaptiveProposer(None, target, CostTable({1: 1.0, 2: 1.2, 4: 1.6, 8: 2.4}, {}), lookup=lookup)
+    proposer.start(64)
+    assert proposer.lookup_reach(1, 3) > proposer.lookup_reach(1, 1)  # the prior already says so
+    for n, hit in ((1, False), (3, True)):
+        for _ in range(30):  # verify the whole chain: all of it matches, or its first token misses
+            proposer.chain, proposer.chain_ngram = [4, 5, 6, 1], n
+            tree = chain_tree(3, [4, 5, 6, 1])
+            verdict = Verdict(torch.arange(5), 0) if hit else Verdict(torch.tensor([0]), 9)
+            proposer.feedback(tree, verdict)
+    assert float(proposer.lookup_reach(1, 1)[-1]) < 0.1 and float(proposer.lookup_reach(4, 3)[-1]) > 0.8
+    assert proposer.propose([1, 2, 3, 4, 5, 6, 1, 2, 3]).size > 1  # trigram-found chain: verified
+    assert proposer.propose([7, 8, 9, 10, 11, 9]).size == 1  # unigram-found chain: a plain step
+
+
+def test_noisy_timings_become_a_non_decreasing_cost_curve():
+    from jakiro.decoding.costs import monotone
+    assert monotone({1: 5.0, 2: 4.0, 4: 6.0, 8: 9.0}) == {1: 4.5, 2: 4.5, 4: 6.0, 8: 9.0}
+    assert monotone({1: 3.0, 2: 3.5, 4: 3.2, 8: 3.1}) == pytest.approx({1: 3.0, 2: 3.2666667, 4: 3.2666667, 8: 3.2666667})
+    assert monotone({3: 1.0}) == {3: 1.0} and monotone({}) == {}

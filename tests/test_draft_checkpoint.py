@@ -106,3 +106,30 @@ def test_fused_draft_step_matches_torch_operations(tmp_path, target, method):
         results.append((out.blend, out.features, cache.data[..., :14, :].clone()))
     for got, expected in zip(*results):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["eagle2", "jakiro"])
+def test_catch_up_without_attention_for_all_but_the_newest_row(tmp_path, target, method):
+    """A long catch-up (a prompt) writes the keys and values of every row but attends only from
+    the newest: the same cache entries and the same draft output there as a full forward."""
+    from jakiro.decoding.proposers import DraftProposer, TreeBudget
+    model, folder = saved(tmp_path, target, method)
+    draft = load_draft(folder, target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    gen = torch.Generator().manual_seed(1)
+    T = 50  # beyond the small-batch rows: the catch-up takes the keys-and-values-only path
+    feats, toks = torch.randn(T, 64, generator=gen), torch.randint(0, 256, (T,), generator=gen)
+    with torch.inference_mode():
+        full = draft.new_cache(64)
+        expected = draft(feats.unsqueeze(0), toks.unsqueeze(0), torch.arange(T), full)
+        full.commit(T)
+        proposer = DraftProposer(draft, TreeBudget(2, 2, 4))
+        proposer.start(T + 8)
+        proposer.observe(feats, toks)
+        assert proposer.pending_rows == T
+        got = proposer._catch_up()
+    assert proposer.cache.length == T and proposer.pending_rows == 0
+    torch.testing.assert_close(proposer.cache.data[..., :T, :], full.data[..., :T, :], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.blend[0, -1], expected.blend[0, -1], atol=1e-5, rtol=1e-5)

@@ -112,7 +112,7 @@ def test_single_step_loss_is_the_sum_of_branch_losses(tiny_setup):
                          for k in range(2))
     expect_con = 0.5 * branch_loss(out.contrastive[0, 3:L - 2], feats[0, 5:], probs[5:], head)  # two ahead
     torch.testing.assert_close(total, expect_blend + expect_experts + expect_con)
-    assert parts["blend"] == pytest.approx(float(expect_blend), rel=1e-5)
+    assert parts["blend"] == pytest.approx(float(expect_blend.detach()), rel=1e-5)
 
 
 def test_heldout_metrics_count_what_drafting_would_propose(tiny_setup):

@@ -10,13 +10,18 @@ of draft probabilities, over-confident for a weak draft) against the nodes actua
 
 Per cycle: the depth d (0 = plain step) maximises expected committed tokens per millisecond,
 E(d) / (t(n_d) + draft(d)) with E(d) = 1 + sum_{i<=d} P(path reaches depth i), both costs at the
-request's current length; the drafted tree is then cut to the k best nodes maximising
+request's current length (the draft's including the positions it must catch up on first, the
+target's as it runs right after a proposal), and drafting must beat not drafting by a margin;
+the drafted tree is then cut to the k best nodes maximising
 (1 + sum of their calibrated acceptance) / t(k + 1). With prompt lookup, depth i counts as
-reached when the draft or the lookup chain gets there, and the chain alone is the option to beat.
-While plain steps win, a probe after 4, 8, 16 ... plain steps drafts one level and compares it
-with the token the plain step commits (one draft step, no verification), so a draft that starts
-predicting well is noticed. Decisions depend only on the fixed cost table and on this request's
-outcomes, so a seeded request decodes the same way every time in one process.
+reached when the draft or the lookup chain gets there, and the chain alone is the option to beat;
+the chain's chances are kept apart by the length of the n-gram match that found it (a chain
+found by one matching token is right far less often than one found by three).
+While plain steps win, a probe after 4, 8, 16 ... plain steps drafts one level and verifies its
+best token in the step's forward, so a draft that starts predicting well is noticed; probes may
+cost at most 3 % of the plain steps before them (a short answer never pays for the draft reading
+its prompt). Decisions depend only on the fixed cost table and on this request's outcomes, so a
+seeded request decodes the same way every time in one process.
 Verification is untouched: any tree chosen before the target's forward keeps decoding lossless.
 """
 
@@ -28,12 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .costs import forward_ms, median_ms, prefilled_cache
+from .costs import forward_ms, interleaved_ms, monotone, prefilled_cache
 from .proposers import DraftProposer, PromptLookupProposer, Proposer
 from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree
 
 PROBE_AFTER = 4  # plain steps before drafting again, doubled after each probe that did not pay
 MAX_WAIT = 64
+PROBE_SHARE = 0.03  # probes (and the catch-up each does first) may cost at most this share of the
+# plain steps taken so far in the request: a short answer never pays for the draft reading its prompt
 BUCKETS = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001])
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior
 DEPTH_PRIOR_WEIGHT = 1.0  # ... and behind the depth prior, against at most 1 / (1 - FORGET) observations
@@ -41,7 +48,11 @@ FORGET = 0.9  # each drafted cycle's outcome weighs this much less per later one
 # well on an answer's opening words and not on the rest (a translation) is dropped within ~10 cycles
 PRIOR_SHRINK = 0.8  # prior: a node is accepted with 0.8 x its draft probability
 PRIOR_DEPTH = 0.6  # prior: P(path gets past level i | it reached i - 1) = 0.6 (optimistic, so drafting is tried)
-PRIOR_LOOKUP = 0.5  # prior: each prompt-lookup token matches with 0.5 once the ones before it did
+DRAFT_MARGIN = 0.08  # drafting must promise this much more than not drafting: a drafted cycle's
+# verification and bookkeeping cost ~0.3 ms (~7 % of a plain step) that the table leaves out, and
+# its acceptance estimates rest on a few dozen cycles; a draft that only breaks even stays idle
+PRIOR_LOOKUP_MISS = 0.7  # prior: a lookup token found by an n-token match (and whose predecessors
+PRIOR_LOOKUP_DECAY = 0.6  # matched) misses with 0.7 x 0.6^(n - 1): 0.3 / 0.58 / 0.75 match for n = 1 / 2 / 3
 
 
 @dataclass
@@ -49,30 +60,43 @@ class CostTable:
     """Milliseconds on this machine: target forward over n tree tokens (root included) and one
     proposal of depth d, both after ``context`` cached tokens; and what each costs more per
     further cached token (``target_slope`` by n, ``draft_slope`` by depth; interpolated like the
-    costs), so that a long prompt's dearer attention enters the choice."""
+    costs), so that a long prompt's dearer attention enters the choice.
+
+    ``drafted_ms``: the target's forward over n tokens right after a draft proposal, which pushed
+    part of the target's weights out of the caches (measured: about 0.4 ms more than after
+    another target forward on SmolLM2-135M); ``catch_up_ms``: what a proposal costs more when it
+    first catches up on n committed positions instead of the two of a typical cycle (after a run
+    of plain steps the draft reads dozens, at its first proposal the whole prompt), by n."""
     target_ms: dict[int, float]
     draft_ms: dict[int, float]
     context: int = 0
     target_slope: dict[int, float] = field(default_factory=dict)
     draft_slope: dict[int, float] = field(default_factory=dict)
+    drafted_ms: dict[int, float] = field(default_factory=dict)
+    catch_up_ms: dict[int, float] = field(default_factory=dict)
 
-    def target(self, n: int, context: int | None = None) -> float:
+    def target(self, n: int, context: int | None = None, drafted: bool = False) -> float:
+        """A forward over ``n`` tree tokens; ``drafted``: right after a draft proposal."""
         extra = _at(self.target_slope, n) * (context - self.context) if context is not None else 0.0
-        return _at(self.target_ms, n) + extra
+        return _at(self.drafted_ms if drafted and self.drafted_ms else self.target_ms, n) + extra
 
-    def draft(self, depth: int, context: int | None = None) -> float:
+    def draft(self, depth: int, context: int | None = None, pending: int = 2) -> float:
+        """A proposal of ``depth`` that first catches up on ``pending`` committed positions."""
         if not self.draft_ms:
             return 0.0
         base = self.draft_ms.get(depth, max(self.draft_ms.values()))
         slope = self.draft_slope.get(depth, max(self.draft_slope.values())) if self.draft_slope else 0.0
-        return base + (slope * (context - self.context) if context is not None else 0.0)
+        return (base + (slope * (context - self.context) if context is not None else 0.0)
+                + (_at(self.catch_up_ms, pending) if pending > 2 and self.catch_up_ms else 0.0))
 
     def as_dict(self) -> dict:
         def rounded(table: dict, digits: int) -> dict:
             return {str(k): round(v, digits) for k, v in table.items()}
         return {"context": self.context, "target_ms": rounded(self.target_ms, 3),
+                "target_ms_after_draft": rounded(self.drafted_ms, 3),
                 "draft_ms": rounded(self.draft_ms, 3), "target_ms_per_context_token": rounded(self.target_slope, 5),
-                "draft_ms_per_context_token": rounded(self.draft_slope, 5)}
+                "draft_ms_per_context_token": rounded(self.draft_slope, 5),
+                "draft_ms_more_by_caught_up_tokens": rounded(self.catch_up_ms, 3)}
 
 
 def _at(table: dict[int, float], n: int) -> float:
@@ -100,9 +124,11 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
 
     As in decoding, every draft proposal is timed right after a target forward (which pushes
     the draft's weights out of the caches: timed alone, a draft step looks twice as cheap as it
-    is) and catches up on two committed positions. Target forwards are measured for every tree
-    size after ``context`` tokens and, for the smallest and largest, after ``long_context``
-    tokens too: the difference, per token, is how the cost grows with the prompt."""
+    is) and catches up on two committed positions (and on each of ``CATCH_UP_ROWS``: what more
+    that costs), and the target's tree forwards are timed both after another forward and
+    right after a draft proposal. Target forwards are measured for every tree size after
+    ``context`` tokens and, for the smallest and largest, after ``long_context`` tokens too: the
+    difference, per token, is how the cost grows with the prompt."""
     max_n = proposer.max_tree_tokens if proposer is not None else max_tree_tokens
     deepest = proposer.budget.depth if proposer is not None else 0
     room = target.config.max_context - max_n - (deepest + 1) * (repeats + 2) * 2 - 8
@@ -110,36 +136,66 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
     long_context = max(context + 1, min(long_context, room))
     sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < max_n} | {max_n})
     cache = prefilled_cache(target, long_context, max_n)
-    longer = forward_ms(target, cache, repeats, sorted({1, max_n}))
+    longer = monotone(forward_ms(target, cache, repeats, sorted({1, max_n})))
     cache.truncate(context)
-    target_ms = forward_ms(target, cache, repeats, sizes)
+    target_ms = monotone(forward_ms(target, cache, repeats, sizes))
     span = long_context - context
     target_slope = {n: max(0.0, (longer[n] - target_ms[n]) / span) for n in longer}
     if proposer is None:
         return CostTable(target_ms, {}, context, target_slope)
-    short = _draft_costs(target, cache, proposer, context, range(1, deepest + 1), repeats)
+    short = monotone(_draft_costs(target, cache, proposer, context, range(1, deepest + 1), repeats))
     far = _draft_costs(target, cache, proposer, long_context, [deepest], repeats)
+    caught_up = {rows: _draft_costs(target, cache, proposer, context, [1], repeats, rows=rows)[1]
+                 for rows in CATCH_UP_ROWS if context + rows * (repeats + 3) < room}
     slope = max(0.0, (far[deepest] - short[deepest]) / span)
     draft_slope = {d: slope * d / deepest for d in short}
-    return CostTable(target_ms, short, context, target_slope, draft_slope)
+    catch_up = monotone({2: 0.0, **{rows: max(0.0, ms - short[1]) for rows, ms in caught_up.items()}})
+    drafted = monotone(_forwards_after_proposals(target, cache, proposer, sizes, repeats))
+    return CostTable(target_ms, short, context, target_slope, draft_slope, drafted, catch_up)
 
 
-def _draft_costs(target, cache, proposer: DraftProposer, context: int, depths, repeats: int) -> dict[int, float]:
-    """Median ms of a proposal of each depth after ``context`` committed tokens, each right after
-    a one-token target forward on ``cache``, catching up on two committed positions as after a
-    typical cycle."""
+CATCH_UP_ROWS = (34, 258)  # proposals after a run of plain steps or a prompt: what catching up on them costs more
+# (the first pays the attention of every position, the second mostly keys and values: far less per position)
+
+
+def _prepared(target, proposer: DraftProposer, context: int, calls: int, rows: int = 2):
+    """Start ``proposer`` on ``context`` random committed tokens (features included) with room
+    for ``calls`` proposals; returns the context and a function that commits ``rows`` more
+    positions for the draft to catch up on."""
     gen = torch.Generator().manual_seed(0)
     vocab, d = target.config.vocab_size, proposer.draft.config.hidden_size
     ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    step = torch.tensor(ids[-1:])
-    proposer.start(context + (len(depths) * (repeats + 1) + 1) * 2 + proposer.budget.depth + 8)
+    proposer.start(context + (calls + 1) * rows + proposer.budget.depth + 8)
     proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [ids[0]]))
     proposer.propose(ids, depth=1)
+    def commit():
+        proposer.observe(torch.randn(rows, d, generator=gen), torch.randint(0, vocab, (rows,), generator=gen))
+    return ids, commit
+
+
+def _draft_costs(target, cache, proposer: DraftProposer, context: int, depths, repeats: int,
+                 rows: int = 2) -> dict[int, float]:
+    """Median ms of a proposal of each depth after ``context`` committed tokens, each right after
+    a one-token target forward on ``cache``, catching up on ``rows`` committed positions (two:
+    as after a typical cycle)."""
+    ids, commit = _prepared(target, proposer, context, len(depths) * (repeats + 1), rows)
+    step = torch.tensor(ids[-1:])
     def after_a_cycle():
         target(step, cache)  # evicts the draft's weights from the caches, as verification does
-        proposer.observe(torch.randn(2, d, generator=gen), torch.tensor(ids[:2]))
-    return {depth: median_ms(lambda: proposer.propose(ids, depth=depth), repeats, warmup=1, before=after_a_cycle)
-            for depth in depths}
+        commit()
+    calls = {depth: (lambda depth=depth: proposer.propose(ids, depth=depth)) for depth in depths}
+    return interleaved_ms(calls, repeats, warmup=1, before=after_a_cycle)
+
+
+def _forwards_after_proposals(target, cache, proposer: DraftProposer, sizes, repeats: int) -> dict[int, float]:
+    """``forward_ms`` for tree sizes ``sizes``, each forward right after a one-level proposal."""
+    if not sizes:
+        return {}
+    ids, commit = _prepared(target, proposer, cache.length, len(sizes) * (repeats + 2))
+    def a_proposal():
+        commit()
+        proposer.propose(ids, depth=1)
+    return forward_ms(target, cache, repeats, sizes, before=a_proposal)
 
 
 class AdaptiveProposer(Proposer):
@@ -175,12 +231,16 @@ class AdaptiveProposer(Proposer):
         self.seen = torch.full_like(mids, PRIOR_WEIGHT)
         self.nodes = {d: float(d) for d in range(1, D + 1)}  # typical verified draft nodes per depth
         L = self.lookup.num_tokens if self.lookup else 0
-        # per chain position i: P(token i matches | tokens before it matched)
-        self.lookup_hits = torch.full((L,), PRIOR_WEIGHT * PRIOR_LOOKUP)
-        self.lookup_seen = torch.full((L,), PRIOR_WEIGHT)
+        N = self.lookup.max_ngram + 1 if self.lookup else 1
+        # per n-gram match length n and chain position i: P(token i matches | tokens before it matched)
+        prior = torch.tensor([1 - PRIOR_LOOKUP_MISS * PRIOR_LOOKUP_DECAY ** max(n - 1, 0) for n in range(N)])
+        self.lookup_hits = (PRIOR_WEIGHT * prior).unsqueeze(1).repeat(1, L)
+        self.lookup_seen = torch.full((N, L), PRIOR_WEIGHT)
+        self.chain_ngram = 0  # the match length that found this cycle's chain
         self.idle = 0
         self.wait = PROBE_AFTER
-        self.shadow: Tree | None = None  # a probe's draft, compared with the next committed token
+        self.plain_ms = 0.0  # what this request's plain steps cost by the table ...
+        self.probe_ms = 0.0  # ... and its probes
         self.chain: list[int] = []  # this cycle's lookup continuation, compared with what is committed
         self.context_length: int | None = None  # committed tokens at this cycle (costs grow with it)
 
@@ -214,25 +274,29 @@ class AdaptiveProposer(Proposer):
         self.tried[1:min(depth, reached + 1) + 1] += 1
         self.reached[1:min(depth, reached) + 1] += 1
 
-    def lookup_reach(self, length: int) -> torch.Tensor:
-        """P(the lookup chain's first i tokens all match), i = 1..length."""
-        return (self.lookup_hits / self.lookup_seen).cumprod(0)[:length]
+    def lookup_reach(self, length: int, ngram: int | None = None) -> torch.Tensor:
+        """P(the lookup chain's first i tokens all match), i = 1..length, for a chain found by an
+        ``ngram``-token match (default: this cycle's)."""
+        n = self.chain_ngram if ngram is None else ngram
+        return (self.lookup_hits[n] / self.lookup_seen[n]).cumprod(0)[:length]
 
     def choose_depth(self, chain_length: int = 0) -> int:
-        """The draft depth (0: none) that maximises expected committed tokens per ms. With a
-        lookup chain of ``chain_length`` tokens in the tree, depth i is reached when either source
-        gets there (taken as independent), and the chain alone is the option to beat."""
+        """The draft depth (0: none) that maximises expected committed tokens per ms, drafting only
+        where that beats not drafting by ``DRAFT_MARGIN``. With a lookup chain of ``chain_length``
+        tokens in the tree, depth i is reached when either source gets there (taken as
+        independent), and the chain alone is the option to beat."""
         c, n_ctx = self.costs, self.context_length
+        pending = self.inner.pending_rows if self.inner else 0
         reach = self.reach_probability()
         chain = self.lookup_reach(chain_length).tolist() if chain_length else []
         chain += [0.0] * (self.max_depth + max(chain_length, 1) - len(chain))
-        best_depth, best_rate = 0, (1.0 + sum(chain)) / c.target(1 + chain_length, n_ctx)
+        best_depth, best_rate = 0, (1.0 + sum(chain)) / c.target(1 + chain_length, n_ctx) * (1 + DRAFT_MARGIN)
         for d in range(1, self.max_depth + 1):
             either = [1 - (1 - q) * (1 - r) for q, r in zip(chain[:d], reach[:d])] + chain[d:]
             expected = 1.0 + sum(either)
             # a path to depth d verifies at least d nodes
             nodes = chain_length + max(d, round(self.nodes[d]))
-            rate = expected / (c.target(1 + nodes, n_ctx) + c.draft(d, n_ctx))
+            rate = expected / (c.target(1 + nodes, n_ctx, drafted=True) + c.draft(d, n_ctx, pending))
             if rate > best_rate:
                 best_depth, best_rate = d, rate
         return best_depth
@@ -260,7 +324,7 @@ class AdaptiveProposer(Proposer):
         scores = tree.scores.tolist() if tree.scores is not None else [0.0] * n
         hits, seen = self.hits.tolist(), self.seen.tolist()
         edges = BUCKETS.tolist()
-        reach = self.lookup_reach(len(self.lookup_seen)).tolist() if self.lookup else []
+        reach = self.lookup_reach(self.lookup_seen.shape[1]).tolist() if self.lookup else []
         depths, parents = tree.depths.tolist(), tree.parents.tolist()
         est = [1.0] + [0.0] * (n - 1)
         for i in range(1, n):
@@ -273,19 +337,20 @@ class AdaptiveProposer(Proposer):
             est[i] = min(e, est[parents[i]])
         return est
 
-    def prune(self, tree: Tree, min_keep: int = 0) -> Tree:
+    def prune(self, tree: Tree, min_keep: int = 0, drafted: bool = False) -> Tree:
         """Keep the k nodes most likely accepted (an ancestor-closed set) for the k that maximises
-        expected committed tokens per ms of verification, and at least ``min_keep``."""
+        expected committed tokens per ms of verification, and at least ``min_keep``; ``drafted``:
+        the tree comes from a draft proposal (the target's forward then costs ``drafted_ms``)."""
         n = tree.size - 1
         if n == 0:
             return tree
         est = self.acceptance(tree)[1:]
         order = sorted(range(n), key=lambda i: -est[i])  # stable: ties keep parents (lower index) first
         gain, best_k = 1.0, 0
-        best_rate = gain / self.costs.target(1, self.context_length)
+        best_rate = gain / self.costs.target(1, self.context_length, drafted)
         for k in range(1, n + 1):
             gain += est[order[k - 1]]
-            rate = gain / self.costs.target(k + 1, self.context_length)
+            rate = gain / self.costs.target(k + 1, self.context_length, drafted)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         k = max(best_k, min(min_keep, n))
@@ -301,45 +366,57 @@ class AdaptiveProposer(Proposer):
         return pruned
 
     def propose(self, context: list[int]) -> Tree:
-        chain = self.lookup.lookup(context) if self.lookup else []
+        chain, self.chain_ngram = self.lookup.match(context) if self.lookup else ([], 0)
         self.chain = chain
         if not self.adaptive:
             tree = self.inner.propose(context) if self.inner else chain_tree(context[-1], [])
             return add_chain(tree, chain) if chain else tree
         self.context_length = len(context)
         depth = self.choose_depth(len(chain))
-        self.shadow = None
         if depth == 0:
             self.idle += 1
-            if self.idle >= self.wait and self.inner:
-                # probe without paying for verification: draft one level now and compare it with
-                # the token the plain step commits (``feedback``)
+            self.plain_ms += self.costs.target(1 + len(chain), self.context_length)
+            plain = self.prune(add_chain(chain_tree(context[-1], []), chain)) if chain else chain_tree(context[-1], [])
+            if self.idle >= self.wait and self.inner and self._probe_affordable():
+                # a probe: draft one level and verify its best token with what the step verifies
+                # anyway (one more tree token costs far less than the draft step, and an accepted
+                # probe is a token gained); ``feedback`` then scores it like any drafted cycle
                 self.idle, self.wait = 0, min(self.wait * 2, MAX_WAIT)
-                self.shadow = self.inner.propose(context, depth=1)
-            if not chain:
-                return chain_tree(context[-1], [])
-            return self.prune(add_chain(chain_tree(context[-1], []), chain))
+                return self._probe(context, plain)
+            return plain
         self.wait, self.idle = PROBE_AFTER, 0
         tree = self.inner.propose(context, depth=depth)
         if chain:
             tree = add_chain(tree, chain)
-        tree = self.prune(tree)
+        tree = self.prune(tree, drafted=True)
         drafted = int((tree.sources & DRAFT > 0).sum())
         self.nodes[depth] = 0.7 * self.nodes[depth] + 0.3 * drafted
         if drafted == 0:  # the draft was not confident enough to verify: a cycle that reached nothing
             self._count(depth, 0)
         return tree
 
+    def _probe(self, context: list[int], plain: Tree) -> Tree:
+        """The draft's most likely next token under the root, plus the lookup chain ``plain``
+        verifies (if any)."""
+        level = self.inner.propose(context, depth=1)
+        best = int(level.scores[1:].argmax()) + 1  # one level: every node but the root is a child
+        probe = chain_tree(context[-1], [int(level.tokens[best])])
+        probe.scores = level.scores[[0, best]]
+        probe.sources = torch.tensor([0, DRAFT])
+        return add_chain(probe, plain.tokens[1:].tolist()) if plain.size > 1 else probe
+
+    def _probe_affordable(self) -> bool:
+        """Whether a probe (one draft level after catching up on what is pending) keeps the
+        request's probes within ``PROBE_SHARE`` of its plain steps; if so, it is counted."""
+        cost = self.costs.draft(1, self.context_length, self.inner.pending_rows)
+        if self.probe_ms + cost > PROBE_SHARE * self.plain_ms:
+            return False
+        self.probe_ms += cost
+        return True
+
     def feedback(self, tree: Tree, verdict) -> None:
         if not self.adaptive:
             return
-        if self.shadow is not None:  # a probe: the draft's first level against the committed token
-            shadow, self.shadow = self.shadow, None
-            level = (shadow.depths == 1).nonzero().flatten()
-            hit = shadow.tokens[level] == verdict.bonus if verdict.accept_length == 0 else \
-                shadow.tokens[level] == tree.tokens[verdict.accepted[1]]
-            self._calibrate(shadow.scores[level], hit)
-            self._count(1, int(hit.any()))
         self._lookup_feedback(tree, verdict)
         if tree.size == 1 or tree.scores is None:
             return
@@ -365,10 +442,10 @@ class AdaptiveProposer(Proposer):
         if not chain:
             return
         committed = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
-        L = len(self.lookup_seen)
-        for i, tok in enumerate(chain[:min(L, len(committed))]):
+        hits, seen = self.lookup_hits[self.chain_ngram], self.lookup_seen[self.chain_ngram]
+        for i, tok in enumerate(chain[:min(len(seen), len(committed))]):
             hit = committed[i] == tok
-            self.lookup_seen[i] += 1
-            self.lookup_hits[i] += float(hit)
+            seen[i] += 1
+            hits[i] += float(hit)
             if not hit:
                 break

@@ -44,13 +44,45 @@ def prefilled_cache(target, context: int, scratch: int):
 
 
 @torch.inference_mode()
-def forward_ms(target, cache, repeats: int, sizes) -> dict[int, float]:
-    """``forward_costs`` on a prefilled ``cache`` (left as it was)."""
+def forward_ms(target, cache, repeats: int, sizes, before=None, warmup: int = 2) -> dict[int, float]:
+    """``forward_costs`` on a prefilled ``cache`` (left as it was); ``before``: see ``median_ms``."""
     gen = torch.Generator().manual_seed(1)
-    context, costs = cache.length, {}
+    context, calls = cache.length, {}
     for n in sizes:
         ids = torch.randint(0, target.config.vocab_size, (n,), generator=gen)
         mask = torch.ones(n, n, dtype=torch.bool).tril_()
         positions = torch.arange(context, context + n)
-        costs[n] = median_ms(lambda: target(ids, cache, positions, mask if n > 1 else None), repeats)
-    return costs
+        calls[n] = (lambda ids=ids, mask=mask, positions=positions, n=n:
+                    target(ids, cache, positions, mask if n > 1 else None))
+    return interleaved_ms(calls, repeats, warmup, before)
+
+
+def interleaved_ms(calls: dict, repeats: int, warmup: int = 2, before=None) -> dict:
+    """Median ms of each of ``calls`` (key -> function), timed in rounds that call each once in
+    turn, so that a slow moment of a shared machine lands on every key alike instead of on one."""
+    times: dict = {key: [] for key in calls}
+    for i in range(warmup + repeats):
+        for key, fn in calls.items():
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            fn()
+            if i >= warmup:
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(v) * 1000 for key, v in times.items()}
+
+
+def monotone(table: dict) -> dict:
+    """The closest non-decreasing values in key order (least squares: adjacent violators pooled):
+    what a cost table keeps of noisy timings, since a bigger forward never costs less."""
+    keys = sorted(table)
+    blocks: list[list] = []  # [mean, count]
+    for k in keys:
+        blocks.append([table[k], 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, c2), (m1, c1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2])
+    out = []
+    for mean, count in blocks:
+        out += [mean] * count
+    return dict(zip(keys, out))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models.linear import SMALL_ROWS
 from .tree import DRAFT, LOOKUP, Tree, build_tree, chain_tree, select_nodes
 
 
@@ -54,13 +55,19 @@ class PromptLookupProposer(Proposer):
 
     def lookup(self, context: list[int]) -> list[int]:
         """The tokens that followed the latest earlier occurrence of the longest matching n-gram."""
+        return self.match(context)[0]
+
+    def match(self, context: list[int]) -> tuple[list[int], int]:
+        """``lookup``'s chain and the length n of the n-gram it was found by (0: none found).
+        A chain found by a longer match is far more often right (on Spec-Bench answers its first
+        token matches about 0.2 / 0.55 / 0.8 of the time for n = 1 / 2 / 3)."""
         self._index(context)
         length = len(context)
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
             start = self._latest.get(tuple(context[length - n:]))
             if start is not None:
-                return context[start + n: start + n + self.num_tokens]
-        return []
+                return context[start + n: start + n + self.num_tokens], n
+        return [], 0
 
     def _index(self, context: list[int]) -> None:
         """Index the n-grams that have a continuation (all but the context's own last ones),
@@ -163,6 +170,11 @@ class DraftProposer(Proposer):
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         self._pending.append((features, next_tokens))
 
+    @property
+    def pending_rows(self) -> int:
+        """Committed positions the next proposal catches up on first."""
+        return sum(f.shape[0] for f, _ in self._pending)
+
     # ------------------------------------------------------------------ candidates
     def _children(self, out, rows: torch.Tensor, k: int):
         """Top-k children of each forwarded node in ``rows``.
@@ -213,6 +225,11 @@ class DraftProposer(Proposer):
         feats = torch.cat([f for f, _ in self._pending])
         toks = torch.cat([t for _, t in self._pending])
         self._pending = []
+        m = feats.shape[0]
+        if m > SMALL_ROWS:  # a prompt, or a long run of plain steps: only the newest row attends
+            base = self.cache.length
+            self.draft.fill_cache(feats[:-1], toks[:-1], torch.arange(base, base + m - 1), self.cache)
+            feats, toks = feats[-1:], toks[-1:]
         base, m = self.cache.length, feats.shape[0]
         r = self.draft.attend(feats.unsqueeze(0), toks.unsqueeze(0), torch.arange(base, base + m), self.cache)
         # only the newest position drafts; the others just fill the cache (after a run of plain

@@ -221,6 +221,26 @@ class DraftModel(nn.Module):
         # residual after attention
         return x + self._linear("o", o.transpose(1, 2).reshape(B, T, H * D), (self.o_proj.weight,))
 
+    def fill_cache(self, features: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor,
+                   cache: KVCache) -> None:
+        """Write (and commit) the keys and values of T committed rows (features [T, d], token_ids
+        [T], position_ids [T]) without their attention: rows that only later rows attend to (a
+        catch-up's all but last) need nothing else, and skip the queries, the attention over the
+        context and the output projection. The same keys and values as ``attend`` writes."""
+        c = self.config
+        d, Hkv, D = c.hidden_size, c.num_key_value_heads, c.head_dim
+        x = self._linear("fc", torch.cat((F.embedding(token_ids, self.embed), features), -1), (self.fc.weight,),
+                         self.fc.bias)
+        h = F.rms_norm(x, (d,), self.input_norm, c.rms_norm_eps)
+        k, v = self._linear("kv", h, (self.k_proj.weight, self.v_proj.weight)).split((Hkv * D, Hkv * D), -1)
+        k, v = k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
+        cos = self.rope_cos[position_ids].unsqueeze(-2)
+        sin = self.rope_sin[position_ids].unsqueeze(-2)
+        half = D // 2
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+        cache.write(0, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
+        cache.commit(k.shape[0])
+
     def _fused_step(self, features, token_ids, position_ids, cache, attn_mask) -> torch.Tensor | None:
         """``attend`` in one call of the small-batch kernels for a draft step's few rows (None
         where that path does not apply: training, batches, prompts, no kernel)."""
