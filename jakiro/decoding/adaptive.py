@@ -356,6 +356,11 @@ class AdaptiveProposer(Proposer):
         k = max(best_k, min(min_keep, n))
         if k == n:
             return tree
+        if tree.retrieve_paths.shape == (1, n + 1):  # a chain (a lookup step): keep its first k tokens
+            pruned = chain_tree(int(tree.tokens[0]), tree.tokens[1:k + 1])
+            pruned.scores = tree.scores[:k + 1]
+            pruned.sources = tree.sources[:k + 1] if tree.sources is not None else None
+            return pruned
         keep = [0] + sorted(i + 1 for i in order[:k])
         position = {node: p for p, node in enumerate(keep)}
         parents = tree.parents.tolist()

@@ -83,6 +83,12 @@ def add_chain(tree: Tree, chain: list[int]) -> Tree:
     """Hang ``chain`` (prompt-lookup tokens) under the root, sharing the nodes where the tree already
     has the same tokens; new nodes get score -inf (the draft did not propose them) and source
     LOOKUP, shared ones gain the LOOKUP bit."""
+    if tree.size == 1:  # nothing drafted (a lookup-only step): the chain itself
+        merged = chain_tree(int(tree.tokens[0]), chain)
+        root_score = float(tree.scores[0]) if tree.scores is not None else 0.0
+        merged.scores = torch.tensor([root_score] + [float("-inf")] * len(chain))
+        merged.sources = torch.tensor([0] + [LOOKUP] * len(chain))
+        return merged
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     n = len(tokens)
     scores = tree.scores.tolist() if tree.scores is not None else [0.0] + [float("-inf")] * (n - 1)

@@ -45,6 +45,12 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
     paths = tree.retrieve_paths  # [leaves, depth + 1]
     if paths.shape[1] == 1:
         return Verdict(paths[0, :1], int(target_next[0]))
+    if paths.shape[0] == 1:  # a chain (prompt lookup, a one-token probe): walk it
+        wanted, drafted = target_next.tolist(), tree.tokens.tolist()
+        m = 0
+        while m + 1 < len(drafted) and drafted[m + 1] == wanted[m]:
+            m += 1
+        return Verdict(paths[0, :m + 1], wanted[m])
     safe = paths.clamp(min=0)
     ok = (tree.tokens[safe[:, 1:]] == target_next[safe[:, :-1]]) & (paths[:, 1:] >= 0)
     accept_len = ok.to(torch.int32).cumprod(1).sum(1)  # [leaves]
