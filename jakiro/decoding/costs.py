@@ -15,15 +15,7 @@ def median_ms(fn, repeats: int, warmup: int = 2, before=None) -> float:
     """Median wall time of ``fn`` in milliseconds, after ``warmup`` untimed calls; ``before``,
     if given, runs untimed ahead of every call (e.g. a target forward that evicts a draft's
     weights from the caches, as in decoding)."""
-    times = []
-    for i in range(warmup + repeats):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    return interleaved_ms({None: fn}, repeats, warmup, before)[None]
 
 
 @torch.inference_mode()

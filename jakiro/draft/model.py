@@ -186,22 +186,16 @@ class DraftModel(nn.Module):
         earlier draft steps). This call's keys are appended to the list.
         """
         c = self.config
-        B, T, d = features.shape
+        B, T, _ = features.shape
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         fused = self._fused_step(features, token_ids, position_ids, cache, attn_mask) if unrolled is None else None
         if fused is not None:
             return fused
-        x = self._linear("fc", torch.cat((F.embedding(token_ids, self.embed), features), -1), (self.fc.weight,),
-                         self.fc.bias)
-        h = F.rms_norm(x, (d,), self.input_norm, c.rms_norm_eps)
+        x, h = self._fusion(features, token_ids)
         q, k, v = self._linear("qkv", h, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).split(
             (H * D, Hkv * D, Hkv * D), -1)
         q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
-        cos = self.rope_cos[position_ids].unsqueeze(-2)  # [T, 1, D]
-        sin = self.rope_sin[position_ids].unsqueeze(-2)
-        half = D // 2
-        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+        q, k = self._rope(q, position_ids), self._rope(k, position_ids)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         gqa = H != Hkv
         if unrolled:
@@ -221,6 +215,19 @@ class DraftModel(nn.Module):
         # residual after attention
         return x + self._linear("o", o.transpose(1, 2).reshape(B, T, H * D), (self.o_proj.weight,))
 
+    def _fusion(self, features: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE's fusion of (x_{t+1}, f_t) into the residual x, and x normalised for attention."""
+        x = self._linear("fc", torch.cat((F.embedding(token_ids, self.embed), features), -1), (self.fc.weight,),
+                         self.fc.bias)
+        return x, F.rms_norm(x, (self.config.hidden_size,), self.input_norm, self.config.rms_norm_eps)
+
+    def _rope(self, t: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of t [..., T, heads, D] at positions [T]."""
+        cos = self.rope_cos[position_ids].unsqueeze(-2)  # [T, 1, D]
+        sin = self.rope_sin[position_ids].unsqueeze(-2)
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat((-t[..., half:], t[..., :half]), -1) * sin
+
     def fill_cache(self, features: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor,
                    cache: KVCache) -> None:
         """Write (and commit) the keys and values of T committed rows (features [T, d], token_ids
@@ -228,16 +235,10 @@ class DraftModel(nn.Module):
         catch-up's all but last) need nothing else, and skip the queries, the attention over the
         context and the output projection. The same keys and values as ``attend`` writes."""
         c = self.config
-        d, Hkv, D = c.hidden_size, c.num_key_value_heads, c.head_dim
-        x = self._linear("fc", torch.cat((F.embedding(token_ids, self.embed), features), -1), (self.fc.weight,),
-                         self.fc.bias)
-        h = F.rms_norm(x, (d,), self.input_norm, c.rms_norm_eps)
+        Hkv, D = c.num_key_value_heads, c.head_dim
+        _, h = self._fusion(features, token_ids)
         k, v = self._linear("kv", h, (self.k_proj.weight, self.v_proj.weight)).split((Hkv * D, Hkv * D), -1)
-        k, v = k.reshape(-1, Hkv, D), v.reshape(-1, Hkv, D)
-        cos = self.rope_cos[position_ids].unsqueeze(-2)
-        sin = self.rope_sin[position_ids].unsqueeze(-2)
-        half = D // 2
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+        k, v = self._rope(k.reshape(-1, Hkv, D), position_ids), v.reshape(-1, Hkv, D)
         cache.write(0, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
         cache.commit(k.shape[0])
 
