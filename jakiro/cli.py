@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train an eagle2 or jakiro draft on a dataset from `jakiro data`")
     _add_target_args(t)
-    t.add_argument("--data", required=True, help="dataset folder from `jakiro data`")
+    t.add_argument("--data", required=True, help="dataset folder from `jakiro data`, or several separated by "
+                                                 "commas (each holds out its own last records)")
     t.add_argument("--out", required=True, help="run folder: the draft, its log, plot and checkpoint")
     _add_config_args(t, TrainConfig, skip=("parallel_decoding",))
     t.add_argument("--no-parallel", action="store_true", help="jakiro: no contrastive branch")
@@ -168,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval-draft", help="held-out accuracy per draft step and greedy tau of finished drafts "
                                           "on a dataset from `jakiro data` (the trainer's split and metrics)")
     _add_target_args(e)
-    e.add_argument("--data", required=True, help="dataset folder from `jakiro data`")
+    e.add_argument("--data", required=True, help="dataset folder from `jakiro data`, or several separated by "
+                                                 "commas (the held-out records of each)")
     e.add_argument("drafts", nargs="+", metavar="DRAFT", help="draft folders")
     e.add_argument("--prompts", type=int, default=8, help="held-out first user turns decoded for tau (0 = none)")
     e.add_argument("--tokens", type=int, default=48, help="new tokens per decoded prompt")

@@ -172,3 +172,71 @@ def test_sources_gzip_and_non_utf8(tmp_path):
     bad.write_bytes(json.dumps(rows[0]).encode() + b"\n" + '{"messages": "caf\xe9"}'.encode("latin-1") + b"\n")
     with pytest.raises(JakiroError, match=r"latin1.jsonl:2: not UTF-8 text"):
         list(iter_conversations(str(bad)))
+
+
+def _conversation(question: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+PASSAGE = ("The harbour town grew around a small fishing fleet. In the nineteenth century a railway "
+           "line reached it, and merchants built warehouses along the quay. Tourism arrived later: "
+           "hotels replaced two of the warehouses, and the fleet shrank to a handful of boats that "
+           "now sell their catch to the restaurants on the seafront. The old lighthouse is a museum.")
+
+
+def test_task_prompts_rotate_over_usable_texts_and_keep_positions():
+    from jakiro.data.tasks import ANSWER_PLACEHOLDER, TRANSLATE, task_conversations
+    german = ("Ich habe eine Frage zu meinem Vertrag. Die Firma hat mir nicht gesagt, dass die "
+              "Kündigungsfrist drei Monate ist, und ich möchte wissen, ob das für mich gilt und was ich tun kann.")
+    source = [
+        _conversation("Tell me about the town.", PASSAGE),
+        None,  # an unusable source record
+        _conversation("Short?", "Yes."),  # no passage of 60-220 words
+        _conversation("Write code.", "```python\n" + "x = 1\n" * 80 + "```"),  # code is no passage
+        _conversation("And its history?", PASSAGE),
+        _conversation(german, "Ja."),
+        _conversation("Once more?", PASSAGE),
+        _conversation("And again?", PASSAGE),
+    ]
+    out = list(task_conversations(source))
+    assert len(out) == len(source)  # one item per source record: positions stay countable
+    assert [o is None for o in out] == [False, True, True, True, False, False, False, False]
+    prompts = [o[0]["content"] for o in out if o is not None]
+    assert all(o[1] == {"role": "assistant", "content": ANSWER_PLACEHOLDER} for o in out if o is not None)
+    assert prompts[0].startswith("Summarize the following text") and PASSAGE in prompts[0]
+    assert prompts[1].startswith("Answer the question using only the passage") and prompts[1].endswith(
+        "Question: And its history?")
+    assert prompts[2] == TRANSLATE[2].format(passage=german)
+    # the translation took the third turn of the rotation (extract); then rewrite, then the next
+    # round of summaries with the next template
+    assert prompts[3].startswith("Rewrite the following") and prompts[4].startswith("Write a one-paragraph")
+    assert list(task_conversations(source)) == out  # the same sequence every time
+
+
+def test_foreign_text_detection():
+    from jakiro.data.tasks import is_foreign
+    assert is_foreign("这是一个关于机器学习的问题，请帮我解释一下梯度下降的原理和应用场景。谢谢你的帮助！")
+    assert is_foreign("Je voudrais savoir comment fonctionne le système de paiement et pour que les clients "
+                      "puissent payer avec une carte dans le magasin, est-ce que c'est possible avec le logiciel?")
+    assert not is_foreign(PASSAGE)
+    assert not is_foreign("Résumé: café")  # too short to tell
+
+
+def test_task_source_needs_regeneration():
+    from jakiro.errors import JakiroError
+    from jakiro.train.config import DataConfig
+    with pytest.raises(JakiroError, match="prompts only"):
+        DataConfig(None, source="sharegpt-tasks").check()
+    DataConfig(None, source="sharegpt-tasks", regenerate="greedy").check()
+
+
+def test_task_source_reads_the_installed_sharegpt_package():
+    from jakiro.data.conversations import iter_conversations
+    first = []
+    for messages in iter_conversations("sharegpt-tasks"):
+        if messages is not None:
+            first.append(messages[0]["content"])
+        if len(first) == 8:
+            break
+    assert len(first) == 8 and len(set(first)) == 8
+    assert PromptFilter(evaluation_prompts()).admit([{"role": "user", "content": first[0]}])

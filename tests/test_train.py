@@ -478,3 +478,39 @@ def test_eval_draft_reproduces_the_trainers_heldout_metrics_and_tau(tmp_path, ti
     assert printed["draft"] == cfg.out and "tau_fixed_default_tree" not in printed
     with pytest.raises(JakiroError, match="draft folder not found"):
         evaluate_drafts(data, [str(tmp_path / "nowhere")], target)
+
+
+def test_several_dataset_folders_train_together_and_each_holds_out_its_last_records(tmp_path, tiny_setup):
+    from jakiro.train.dataset import FeatureDataset
+    from jakiro.train.trainer import heldout_split
+    target, data = tiny_setup
+    other = make_feature_dataset(str(tmp_path / "other"), target, n_records=40, seed=1)
+    one, two = FeatureDataset(data), FeatureDataset(other)
+    both = FeatureDataset(f"{data},{other}")
+    assert both.parts == [len(one), len(two)] == [12, 40]
+    assert len(both) == 52
+    for i in (0, 11):
+        assert all(torch.equal(a, b) for a, b in zip(both.record(i), one.record(i)))
+    for i in (0, 39):
+        assert all(torch.equal(a, b) for a, b in zip(both.record(12 + i), two.record(i)))
+    assert both.token_counts[5] == one.token_counts.get(5, 0) + two.token_counts.get(5, 0)
+    train, held = heldout_split(both.parts, eval_records=3)
+    assert held == [11, 50, 51]  # at most 5 % of each part: 1 of 12, 2 of 40
+    assert sorted(train + held) == list(range(52))
+    assert heldout_split(12, 3) == (list(range(11)), [11])  # one folder: as before
+    trainer = Trainer(config(tmp_path / "run", f"{data},{other}", steps=3, warmup=1, eval_every=3), target, progress=False)
+    assert trainer.eval_idx == [11, 50, 51] and len(trainer.train_idx) == 49
+    trainer.run()
+    with open(tmp_path / "run" / "config.json") as f:
+        assert json.load(f)["training"]["records"] == 49
+
+
+def test_datasets_of_different_targets_are_not_mixed(tmp_path, tiny_setup):
+    from jakiro.train.dataset import FeatureDataset
+    _, data = tiny_setup
+    other = make_tiny_target(str(tmp_path / "target2"), "qwen2")
+    folder = make_feature_dataset(str(tmp_path / "other"), other, n_records=4)
+    with pytest.raises(JakiroError, match="different targets"):
+        FeatureDataset(f"{data},{folder}")
+    with pytest.raises(JakiroError, match="not a jakiro dataset"):
+        FeatureDataset(f"{data},{tmp_path}")

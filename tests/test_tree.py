@@ -1,5 +1,6 @@
 """Tree construction on hand-built cases, and the shape of the trees the draft proposer builds."""
 
+import pytest
 import torch
 
 from helpers import make_tiny_target
@@ -62,9 +63,9 @@ def test_prompt_lookup_proposes_continuation_of_last_match():
     assert pld.propose([1, 2, 3]).tokens.tolist() == [3]
 
 
-def _tiny_jakiro(tmp_path, **overrides):
+def _tiny_jakiro(tmp_path, method="jakiro", **overrides):
     target = TargetModel.from_folder(make_tiny_target(str(tmp_path), "llama"))
-    cfg = DraftConfig.for_target(target.config, target.hf_config, "jakiro", **overrides)
+    cfg = DraftConfig.for_target(target.config, target.hf_config, method, **overrides)
     torch.manual_seed(0)
     draft = DraftModel(cfg).eval()
     draft.reset_parameters(std=0.3)
@@ -124,3 +125,35 @@ def test_parallel_decoding_saves_one_draft_forward(tmp_path):
         counts[parallel] = proposer.draft_forwards
         assert int(tree.depths.max()) == 4
     assert counts == {True: 3, False: 4}
+
+
+@pytest.mark.parametrize("overrides,parallel", [({"num_experts": 3, "experts_per_token": 2}, True),
+                                                ({"num_experts": 3, "experts_per_token": 2}, False),
+                                                ({"method": "eagle2"}, False)])
+@pytest.mark.parametrize("total_tokens", [2, 3, 8])
+def test_top1_chain_path_equals_the_dynamic_tree(tmp_path, overrides, parallel, total_tokens):
+    """top_k = 1 drafts its chain without tree bookkeeping: the same tokens, scores and sources
+    as the general dynamic tree, and the draft's cache left as it was."""
+    target, draft = _tiny_jakiro(tmp_path, **overrides)
+    prompt = torch.arange(2, 22)
+    trees, lengths = [], []
+    for chain in (True, False):
+        proposer = DraftProposer(draft, TreeBudget(depth=4, top_k=1, total_tokens=total_tokens),
+                                 parallel_decoding=parallel)
+        context = _start(proposer, target, prompt)
+        if chain:
+            tree = proposer.propose(context)
+        else:
+            with torch.inference_mode():
+                out = proposer._catch_up()
+                tree = proposer._propose_dynamic(context, out, proposer.cache.length, 4)
+        trees.append(tree)
+        lengths.append(proposer.cache.length)
+    fast, general = trees
+    assert fast.size == min(total_tokens, 4) + 1
+    assert fast.tokens.tolist() == general.tokens.tolist()
+    assert fast.parents.tolist() == general.parents.tolist()
+    assert torch.allclose(fast.scores, general.scores, atol=1e-5)
+    assert fast.sources.tolist() == general.sources.tolist()
+    assert fast.tree_mask.tolist() == general.tree_mask.tolist()
+    assert lengths[0] == lengths[1] == len(prompt)

@@ -11,6 +11,7 @@ from typing import Iterator
 
 from ..errors import JakiroError
 
+TASKS_SOURCE = "sharegpt-tasks"
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
             "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
 
@@ -82,6 +83,10 @@ def iter_conversations(source: str, skipped: list[int] | None = None) -> Iterato
     if source == "sharegpt":
         for obj in iter_json_array(sharegpt_path()):
             yield normalise(obj)
+        return
+    if source == TASKS_SOURCE:  # task prompts built from ShareGPT's texts (``data.tasks``)
+        from .tasks import task_conversations
+        yield from task_conversations(normalise(obj) for obj in iter_json_array(sharegpt_path()))
         return
     if not os.path.exists(source):
         raise JakiroError(f"dataset not found: {source}")

@@ -217,6 +217,8 @@ class DraftProposer(Proposer):
         base = self.cache.length  # = position of the root token
         if self.static is not None:
             return self._propose_static(context, out, base)
+        if self.budget.top_k == 1:
+            return self._propose_chain(context, out, base, depth)
         return self._propose_dynamic(context, out, base, depth)
 
     def _catch_up(self):
@@ -238,6 +240,35 @@ class DraftProposer(Proposer):
         self.cache.commit(m)
         self.draft_forwards += 1
         return out
+
+    def _propose_chain(self, context: list[int], out, base: int, depth: int) -> Tree:
+        """``_propose_dynamic`` for top_k = 1, where the tree is a chain: each layer's one frontier
+        node is the previous layer's only child and sees every scratch slot before it, so a draft
+        step needs no mask and the tree no reranking (scores only fall along a chain: the best
+        ``total_tokens`` candidates are its first ones). Same tree, a fraction of the bookkeeping."""
+        row = torch.zeros(1, dtype=torch.long)
+        tokens: list[int] = []
+        scores: list[float] = [0.0]
+        normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
+        for layer in range(normal_layers):
+            tok, logp, carried = self._children(out, row, 1)  # [1, 1]
+            tokens.append(int(tok))
+            scores.append(scores[-1] + float(logp))
+            if layer == normal_layers - 1:
+                if self.parallel and depth >= 2:
+                    con_tok, con_logp = self._contrastive_children(out, row, 1)
+                    tokens.append(int(con_tok))
+                    scores.append(scores[-1] + float(con_logp))
+                break
+            out = self.draft(carried.reshape(1, 1, -1), tok.view(1, 1), torch.tensor([base + layer]), self.cache)
+            self.cache.commit(1)
+            self.draft_forwards += 1
+        self.cache.truncate(base)
+        n = min(len(tokens), self.budget.total_tokens)
+        tree = chain_tree(context[-1], tokens[:n])
+        tree.scores = torch.tensor(scores[:n + 1])
+        tree.sources = torch.tensor([0] + [DRAFT] * n)
+        return tree
 
     def _propose_dynamic(self, context: list[int], out, base: int, depth: int) -> Tree:
         """Expand the top_k frontier layer by layer (one draft forward per layer, the last layer

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from ..errors import JakiroError
+from ..data.conversations import TASKS_SOURCE
 
 STEP_DECAY = 0.8
 JAKIRO_LOSSES = ("separate", "full", "reference")
@@ -26,7 +27,9 @@ def _opt(default, help: str, **cli):
 @dataclass
 class DataConfig:
     target: str | None
-    source: str = _opt("sharegpt", "'sharegpt' (the installed package) or a JSONL file of {'conversations': "
+    source: str = _opt("sharegpt", "'sharegpt' (the installed package), 'sharegpt-tasks' (summarise / answer "
+                                   "from a passage / extract / rewrite / translate prompts built from ShareGPT's "
+                                   "texts; needs --regenerate) or a JSONL file of {'conversations': "
                                    "[{from, value}]} or {'messages': [{role, content}]}, optionally .gz")
     max_records: int = _opt(1000, "conversations to build (counting from the start of the source)")
     max_len: int = _opt(512, "tokens per conversation (truncated)")
@@ -49,7 +52,9 @@ class DataConfig:
             raise JakiroError(f"--sample-share must be in [0, 1], got {self.sample_share}")
         if self.regenerate not in ("none", "greedy", "sample"):
             raise JakiroError(f"unknown regeneration mode {self.regenerate!r}; choose none, greedy or sample")
-        if self.source != "sharegpt" and not os.path.isfile(self.source):
+        if self.source == TASKS_SOURCE and self.regenerate == "none":
+            raise JakiroError(f"--source {TASKS_SOURCE} holds prompts only: add --regenerate greedy (or sample)")
+        if self.source not in ("sharegpt", TASKS_SOURCE) and not os.path.isfile(self.source):
             raise JakiroError(f"dataset not found: {self.source}")
 
     def regen_settings(self):

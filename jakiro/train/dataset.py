@@ -141,6 +141,10 @@ def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[in
     return name
 
 
+def _target_keys(identity: dict) -> tuple:
+    return identity["target_name"], identity["hidden_size"], identity["vocab_size"]
+
+
 def _read_state(folder: str) -> dict | None:
     path = os.path.join(folder, STATE_FILE)
     if not os.path.exists(path):
@@ -267,34 +271,51 @@ def _save_state(out: str, state: dict) -> None:
 
 
 class FeatureDataset:
-    """All records of a built dataset in memory: ids [N] int64, mask [N] bool, features [N, d]
-    (float32), and per-record offsets."""
+    """All records of one or more built datasets in memory: ids [N] int64, mask [N] bool,
+    features [N, d] (float32), and per-record offsets. ``folders``: a folder, a list of them, or
+    a comma-separated string (``--data A,B``); they must have been built for the same target,
+    and ``parts`` says how many records each contributed, in order."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folders: str | list[str]):
         from safetensors.torch import load_file
-        state = _read_state(folder)
-        if state is None:
-            raise JakiroError(f"{folder} is not a jakiro dataset (no {STATE_FILE}); build one with `jakiro data`")
-        if not state["shards"]:
-            raise JakiroError(f"dataset {folder} is empty")
-        self.folder = folder
-        self.identity = state["identity"]
+        if isinstance(folders, str):
+            folders = [f for f in folders.split(",") if f]
+        if not folders:
+            raise JakiroError("no dataset folder given")
+        self.folder = ",".join(folders)
         ids, masks, feats, offsets = [], [], [], [0]
-        for name in state["shards"]:
-            try:
-                shard = load_file(os.path.join(folder, name))
-            except Exception as exc:
-                raise JakiroError(f"cannot read dataset shard {name}: {exc}") from None
-            base = offsets[-1]
-            ids.append(shard["input_ids"].long())
-            masks.append(shard["loss_mask"].bool())
-            feats.append(shard["features"])
-            offsets.extend((shard["offsets"][1:] + base).tolist())
+        self.parts: list[int] = []
+        self.token_counts: dict[int, int] = {}
+        for folder in folders:
+            state = _read_state(folder)
+            if state is None:
+                raise JakiroError(f"{folder} is not a jakiro dataset (no {STATE_FILE}); build one with `jakiro data`")
+            if not state["shards"]:
+                raise JakiroError(f"dataset {folder} is empty")
+            ident = state["identity"]
+            if self.parts and _target_keys(ident) != _target_keys(self.identity):
+                raise JakiroError(f"datasets {folders[0]} and {folder} were built for different targets "
+                                  f"({self.identity['target_name']} and {ident['target_name']})")
+            if not self.parts:
+                self.identity = ident
+            records = len(offsets)
+            for name in state["shards"]:
+                try:
+                    shard = load_file(os.path.join(folder, name))
+                except Exception as exc:
+                    raise JakiroError(f"cannot read dataset shard {name} of {folder}: {exc}") from None
+                base = offsets[-1]
+                ids.append(shard["input_ids"].long())
+                masks.append(shard["loss_mask"].bool())
+                feats.append(shard["features"])
+                offsets.extend((shard["offsets"][1:] + base).tolist())
+            self.parts.append(len(offsets) - records)
+            for k, v in state["token_counts"].items():
+                self.token_counts[int(k)] = self.token_counts.get(int(k), 0) + v
         self.ids = torch.cat(ids)
         self.mask = torch.cat(masks)
         self.features = torch.cat(feats)  # float16; converted per batch
         self.offsets = torch.tensor(offsets)
-        self.token_counts = {int(k): v for k, v in state["token_counts"].items()}
 
     def check_target(self, target) -> None:
         """Refuse a target whose features or vocabulary differ from the one this dataset was built

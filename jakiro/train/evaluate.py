@@ -32,7 +32,7 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     model = TargetModel.from_folder(path)
     ds.check_target(model)
     tokenizer = load_tokenizer(path)
-    _, eval_idx = heldout_split(len(ds), eval_records)
+    _, eval_idx = heldout_split(ds.parts, eval_records)
     out = []
     for folder in drafts:
         draft = load_draft(folder, model)

@@ -88,11 +88,17 @@ def _upgrade_identity(previous: dict, current: dict) -> dict:
     return upgraded
 
 
-def heldout_split(n_records: int, eval_records: int) -> tuple[list[int], list[int]]:
-    """(training, held-out) record indices: the last ``eval_records`` records, at most 5 %, are
-    held out."""
-    n_eval = min(eval_records, max(1, n_records // 20))
-    return list(range(n_records - n_eval)), list(range(n_records - n_eval, n_records))
+def heldout_split(parts: int | list[int], eval_records: int) -> tuple[list[int], list[int]]:
+    """(training, held-out) record indices: of each part (the records of one dataset folder, in
+    order), the last ``eval_records`` records, at most 5 %, are held out."""
+    train, held = [], []
+    start = 0
+    for n_records in [parts] if isinstance(parts, int) else parts:
+        n_eval = min(eval_records, max(1, n_records // 20))
+        train += range(start, start + n_records - n_eval)
+        held += range(start + n_records - n_eval, start + n_records)
+        start += n_records
+    return train, held
 
 
 def heldout_tau(engine, ds: FeatureDataset, indices: list[int], tokens: int) -> float:
@@ -154,7 +160,7 @@ class Trainer:
         self.target_name = target.config.name
         self.embed = target.embed.to(self.device)
         self.full_head = target.lm_head.weight.to(self.device)
-        self.train_idx, self.eval_idx = heldout_split(len(self.ds), cfg.eval_records)
+        self.train_idx, self.eval_idx = heldout_split(self.ds.parts, cfg.eval_records)
         return target
 
     def _build_model(self, target) -> None:
