@@ -145,7 +145,7 @@ def test_top1_chain_path_equals_the_dynamic_tree(tmp_path, overrides, parallel, 
             tree = proposer.propose(context)
         else:
             with torch.inference_mode():
-                out = proposer._catch_up()
+                out = draft.heads(proposer._catch_up())
                 tree = proposer._propose_dynamic(context, out, proposer.cache.length, 4)
         trees.append(tree)
         lengths.append(proposer.cache.length)
@@ -157,3 +157,27 @@ def test_top1_chain_path_equals_the_dynamic_tree(tmp_path, overrides, parallel, 
     assert fast.sources.tolist() == general.sources.tolist()
     assert fast.tree_mask.tolist() == general.tree_mask.tolist()
     assert lengths[0] == lengths[1] == len(prompt)
+
+
+@pytest.mark.parametrize("limit", [None, 48])
+def test_fused_mlp_head_topk_equals_heads_then_topk(tmp_path, limit):
+    from jakiro.models import smallgemm
+    if not smallgemm.available():
+        pytest.skip("the small-batch kernels are not built here")
+    _, draft = _tiny_jakiro(tmp_path, method="eagle2", draft_vocab_size=64)
+    draft.set_draft_vocab(torch.randperm(256, generator=torch.Generator().manual_seed(3))[:64])
+    r = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        fused = draft.mlp_head_topk(r, 5, limit)
+        assert fused is not None  # the path under test ran
+        feats, ids, logp = fused
+        out = draft.heads(r)
+        top = torch.topk(draft.head_logits(out.blend, limit).log_softmax(-1), 5, dim=-1)
+    torch.testing.assert_close(feats, out.blend, atol=1e-5, rtol=1e-5)
+    assert ids.tolist() == draft.to_target_ids(top.indices).tolist()
+    torch.testing.assert_close(logp, top.values, atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        assert draft.mlp_head_topk(r, 1000, limit)[1].shape == (3, limit or 64)  # k beyond the head: all of it
+    _, jakiro_draft = _tiny_jakiro(tmp_path / "j")
+    with torch.inference_mode():
+        assert jakiro_draft.mlp_head_topk(r, 1) is None  # experts: the general path

@@ -213,17 +213,19 @@ class DraftProposer(Proposer):
         """The EAGLE-2 tree of the budget, or of ``depth`` draft layers when given (<= the
         budget's depth: the draft's scratch cache is sized for it). Node scores are attached."""
         depth = self.budget.depth if depth is None else min(depth, self.budget.depth)
-        out = self._catch_up()
+        r = self._catch_up()
         base = self.cache.length  # = position of the root token
+        if self.budget.top_k == 1 and self.static is None:
+            return self._propose_chain(context, r, base, depth)
+        out = self.draft.heads(r)
         if self.static is not None:
             return self._propose_static(context, out, base)
-        if self.budget.top_k == 1:
-            return self._propose_chain(context, out, base, depth)
         return self._propose_dynamic(context, out, base, depth)
 
-    def _catch_up(self):
+    def _catch_up(self) -> torch.Tensor:
         """One draft forward over the (feature, next token) pairs committed since the last cycle,
-        kept in the draft's cache; returns the draft output at the newest pair (one row)."""
+        kept in the draft's cache; returns the residual stream at the newest pair [1, 1, d] (the
+        caller runs the heads on that row only)."""
         feats = torch.cat([f for f, _ in self._pending])
         toks = torch.cat([t for _, t in self._pending])
         self._pending = []
@@ -234,33 +236,33 @@ class DraftProposer(Proposer):
             feats, toks = feats[-1:], toks[-1:]
         base, m = self.cache.length, feats.shape[0]
         r = self.draft.attend(feats.unsqueeze(0), toks.unsqueeze(0), torch.arange(base, base + m), self.cache)
-        # only the newest position drafts; the others just fill the cache (after a run of plain
-        # steps there are dozens of them, and the MLP or experts over every one would be wasted)
-        out = self.draft.heads(r[:, -1:])
         self.cache.commit(m)
         self.draft_forwards += 1
-        return out
+        # only the newest position drafts; the others just fill the cache (after a run of plain
+        # steps there are dozens of them, and the MLP or experts over every one would be wasted)
+        return r[:, -1:]
 
-    def _propose_chain(self, context: list[int], out, base: int, depth: int) -> Tree:
+    def _propose_chain(self, context: list[int], r: torch.Tensor, base: int, depth: int) -> Tree:
         """``_propose_dynamic`` for top_k = 1, where the tree is a chain: each layer's one frontier
         node is the previous layer's only child and sees every scratch slot before it, so a draft
         step needs no mask and the tree no reranking (scores only fall along a chain: the best
-        ``total_tokens`` candidates are its first ones). Same tree, a fraction of the bookkeeping."""
-        row = torch.zeros(1, dtype=torch.long)
+        ``total_tokens`` candidates are its first ones). ``r``: the residual row of the root.
+        Same tree, a fraction of the bookkeeping; an EAGLE-2 draft runs its MLP, head and top-1
+        in one kernel call (``DraftModel.mlp_head_topk``)."""
         tokens: list[int] = []
         scores: list[float] = [0.0]
         normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
         for layer in range(normal_layers):
-            tok, logp, carried = self._children(out, row, 1)  # [1, 1]
+            tok, logp, carried, out = self._best_child(r)
             tokens.append(int(tok))
             scores.append(scores[-1] + float(logp))
             if layer == normal_layers - 1:
                 if self.parallel and depth >= 2:
-                    con_tok, con_logp = self._contrastive_children(out, row, 1)
+                    con_tok, con_logp = self._contrastive_children(out, torch.zeros(1, dtype=torch.long), 1)
                     tokens.append(int(con_tok))
                     scores.append(scores[-1] + float(con_logp))
                 break
-            out = self.draft(carried.reshape(1, 1, -1), tok.view(1, 1), torch.tensor([base + layer]), self.cache)
+            r = self.draft.attend(carried.view(1, 1, -1), tok.view(1, 1), torch.tensor([base + layer]), self.cache)
             self.cache.commit(1)
             self.draft_forwards += 1
         self.cache.truncate(base)
@@ -269,6 +271,18 @@ class DraftProposer(Proposer):
         tree.scores = torch.tensor(scores[:n + 1])
         tree.sources = torch.tensor([0] + [DRAFT] * n)
         return tree
+
+    def _best_child(self, r: torch.Tensor):
+        """The draft's most likely next token after residual row r [1, 1, d]: (token, log-prob,
+        the feature it carries [1, d], the draft output or None where the fused kernel ran)."""
+        if self.mode == "single":
+            fused = self.draft.mlp_head_topk(r[0], 1, self.head_vocab)
+            if fused is not None:
+                feats, tok, logp = fused
+                return tok, logp, feats, None
+        out = self.draft.heads(r)
+        tok, logp, carried = self._children(out, torch.zeros(1, dtype=torch.long), 1)
+        return tok, logp, carried.reshape(1, -1), out
 
     def _propose_dynamic(self, context: list[int], out, base: int, depth: int) -> Tree:
         """Expand the top_k frontier layer by layer (one draft forward per layer, the last layer

@@ -123,6 +123,11 @@ class DraftModel(nn.Module):
         ``limit`` (most frequent) entries when a reduced vocabulary is in use."""
         if self.training or torch.is_grad_enabled():
             return F.linear(features, self.head_weight[:limit])
+        flat = features.reshape(-1, features.shape[-1])
+        return self._head_layer(limit)(flat).view(*features.shape[:-1], -1)
+
+    def _head_layer(self, limit: int | None) -> FastLinear:
+        """The inference copy of the head (its first ``limit`` rows), built on first use."""
         fast = self._head_fast.get(limit)
         if fast is None:
             blocks = None
@@ -130,8 +135,26 @@ class DraftModel(nn.Module):
                 rows = self.d2t if self.config.draft_vocab_size is not None else torch.arange(len(self.head_weight))
                 blocks = (self._head_blocks[0], self._head_blocks[1][rows[:limit]].contiguous())
             fast = self._head_fast[limit] = FastLinear(self.head_weight[:limit].contiguous(), quantized=blocks)
-        flat = features.reshape(-1, features.shape[-1])
-        return fast(flat).view(*features.shape[:-1], -1)
+        return fast
+
+    def mlp_head_topk(self, r: torch.Tensor, k: int, limit: int | None = None):
+        """EAGLE-2's ``heads`` then the head's top-k for residual rows r [n, d] in one call of the
+        small-batch kernels: (features r + MLP [n, d], target token ids [n, k], log-probs [n, k]
+        over the head's first ``limit`` entries), or None where that path does not apply (a
+        Jakiro draft, training, no kernel)."""
+        c = self.config
+        if (c.method != "eagle2" or self.training or torch.is_grad_enabled() or not smallgemm.available()
+                or self.post_norm.dtype != torch.float32):
+            return None
+        gate_up = self._fast_layer("gate_up0", (self.gate_up[0],)).kernel_weight
+        down = self._fast_layer("down0", (self.down[0],)).kernel_weight
+        head = self._head_layer(limit)
+        if gate_up is None or down is None or head.kernel_weight is None:
+            return None
+        vocab = head.out_features
+        feats, ids, logp = smallgemm.draft_mlp_head(r, self.post_norm.detach(), gate_up, down, c.intermediate_size,
+                                                    head.kernel_weight, vocab, min(k, vocab), c.rms_norm_eps)
+        return feats, self.to_target_ids(ids), logp
 
     def _linear(self, name: str, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ cat(weights)^T (+ bias). In training, ``F.linear``; in inference, the runtime's

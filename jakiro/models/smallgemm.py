@@ -154,3 +154,9 @@ def draft_attend(x, fc, fc_bias, norm, qkv, o, kv, past, cos, sin, mask, num_hea
     ``DraftModel.attend``."""
     return torch.ops.jakiro_smallgemm.draft_attend(x, fc, fc_bias, norm, qkv, o, kv, past, cos, sin, mask,
                                                    num_heads, num_kv_heads, eps, scale)
+
+
+def draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps):
+    """The MLP, the head and its top-k of an EAGLE-2 draft step in one call (``csrc/decoder.cpp``);
+    see ``DraftModel.mlp_head_topk``."""
+    return torch.ops.jakiro_smallgemm.draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps)
