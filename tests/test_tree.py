@@ -178,6 +178,26 @@ def test_fused_mlp_head_topk_equals_heads_then_topk(tmp_path, limit):
     torch.testing.assert_close(logp, top.values, atol=1e-5, rtol=1e-5)
     with torch.inference_mode():
         assert draft.mlp_head_topk(r, 1000, limit)[1].shape == (3, limit or 64)  # k beyond the head: all of it
-    _, jakiro_draft = _tiny_jakiro(tmp_path / "j")
-    with torch.inference_mode():
-        assert jakiro_draft.mlp_head_topk(r, 1) is None  # experts: the general path
+
+
+def test_fused_first_expert_equals_the_decoupled_first_child(tmp_path):
+    """A decoupled Jakiro node's first child comes from the expert the router ranks first: the
+    fused call evaluates that expert only and gives its feature, token and log-prob."""
+    from jakiro.models import smallgemm
+    if not smallgemm.available():
+        pytest.skip("the small-batch kernels are not built here")
+    _, draft = _tiny_jakiro(tmp_path, num_experts=4, experts_per_token=2, parallel_decoding=False)
+    proposer = DraftProposer(draft, TreeBudget(depth=2, top_k=1, total_tokens=2))
+    experts = set()
+    for seed in range(6):
+        r = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(seed))
+        with torch.inference_mode():
+            expert = draft.top_expert(r[0])
+            feats, tok, logp = draft.mlp_head_topk(r[0], 1, None, expert)
+            out = draft.heads(r)
+            ref_tok, ref_logp, ref_feat = proposer._children(out, torch.zeros(1, dtype=torch.long), 1)
+        experts.add(expert)
+        assert tok.tolist() == ref_tok.tolist()
+        torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(feats, ref_feat.reshape(1, -1), atol=1e-5, rtol=1e-5)
+    assert len(experts) > 1  # the router's choice matters, and was followed

@@ -247,8 +247,7 @@ class DraftProposer(Proposer):
         node is the previous layer's only child and sees every scratch slot before it, so a draft
         step needs no mask and the tree no reranking (scores only fall along a chain: the best
         ``total_tokens`` candidates are its first ones). ``r``: the residual row of the root.
-        Same tree, a fraction of the bookkeeping; an EAGLE-2 draft runs its MLP, head and top-1
-        in one kernel call (``DraftModel.mlp_head_topk``)."""
+        Same tree, a fraction of the bookkeeping (and of the expert work: ``_best_child``)."""
         tokens: list[int] = []
         scores: list[float] = [0.0]
         normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
@@ -274,9 +273,13 @@ class DraftProposer(Proposer):
 
     def _best_child(self, r: torch.Tensor):
         """The draft's most likely next token after residual row r [1, 1, d]: (token, log-prob,
-        the feature it carries [1, d], the draft output or None where the fused kernel ran)."""
-        if self.mode == "single":
-            fused = self.draft.mlp_head_topk(r[0], 1, self.head_vocab)
+        the feature it carries [1, d], the draft output or None where the fused kernel ran).
+        EAGLE-2's one MLP, and a decoupled Jakiro node's first child (proposed by the expert the
+        router ranks first, whose output it carries), take one kernel call for the expert, head
+        and top-1: the other experts are not evaluated. The contrastive branch and blended
+        candidates need every activated expert (``heads``)."""
+        if self.mode == "single" or (self.mode == "decoupled" and not self.parallel):
+            fused = self.draft.mlp_head_topk(r[0], 1, self.head_vocab, self.draft.top_expert(r[0]))
             if fused is not None:
                 feats, tok, logp = fused
                 return tok, logp, feats, None

@@ -137,17 +137,16 @@ class DraftModel(nn.Module):
             fast = self._head_fast[limit] = FastLinear(self.head_weight[:limit].contiguous(), quantized=blocks)
         return fast
 
-    def mlp_head_topk(self, r: torch.Tensor, k: int, limit: int | None = None):
-        """EAGLE-2's ``heads`` then the head's top-k for residual rows r [n, d] in one call of the
-        small-batch kernels: (features r + MLP [n, d], target token ids [n, k], log-probs [n, k]
-        over the head's first ``limit`` entries), or None where that path does not apply (a
-        Jakiro draft, training, no kernel)."""
+    def mlp_head_topk(self, r: torch.Tensor, k: int, limit: int | None = None, expert: int = 0):
+        """One expert's half of ``heads`` (EAGLE-2's MLP: expert 0) then the head's top-k, for
+        residual rows r [n, d], in one call of the small-batch kernels: (features r + MLP [n, d],
+        target token ids [n, k], log-probs [n, k] over the head's first ``limit`` entries), or None
+        where that path does not apply (training, no kernel)."""
         c = self.config
-        if (c.method != "eagle2" or self.training or torch.is_grad_enabled() or not smallgemm.available()
-                or self.post_norm.dtype != torch.float32):
+        if self.training or torch.is_grad_enabled() or not smallgemm.available() or self.post_norm.dtype != torch.float32:
             return None
-        gate_up = self._fast_layer("gate_up0", (self.gate_up[0],)).kernel_weight
-        down = self._fast_layer("down0", (self.down[0],)).kernel_weight
+        gate_up = self._fast_layer(f"gate_up{expert}", (self.gate_up[expert],)).kernel_weight
+        down = self._fast_layer(f"down{expert}", (self.down[expert],)).kernel_weight
         head = self._head_layer(limit)
         if gate_up is None or down is None or head.kernel_weight is None:
             return None
@@ -155,6 +154,14 @@ class DraftModel(nn.Module):
         feats, ids, logp = smallgemm.draft_mlp_head(r, self.post_norm.detach(), gate_up, down, c.intermediate_size,
                                                     head.kernel_weight, vocab, min(k, vocab), c.rms_norm_eps)
         return feats, self.to_target_ids(ids), logp
+
+    def top_expert(self, r: torch.Tensor) -> int:
+        """The expert the router ranks first for one residual row r [1, d] (0 for EAGLE-2): the
+        one whose output proposes a decoupled node's first child."""
+        if self.config.method == "eagle2":
+            return 0
+        m = F.rms_norm(r, (r.shape[-1],), self.post_norm, self.config.rms_norm_eps)
+        return int(self.router(m).argmax(-1))
 
     def _linear(self, name: str, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ cat(weights)^T (+ bias). In training, ``F.linear``; in inference, the runtime's
