@@ -38,7 +38,8 @@ def memory_floor_ms(nbytes: int, repeats: int) -> float:
 def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> dict:
     """For the shipped ``method`` draft: one draft step over ``nodes`` frontier nodes (the draft
     forward plus its head), repeated on its own and each time right after a target forward (as
-    in decoding), and one whole proposal with the draft's default tree."""
+    in decoding), one whole proposal with the draft's default tree, and a two-token chain
+    proposal (the kind ``jakiro tune`` picks here) right after a target forward."""
     from ..api import shipped_draft
     from ..decoding.proposers import DraftProposer, TreeBudget
     from ..draft import load_draft
@@ -75,8 +76,22 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
     def cycle():
         proposer.observe(torch.randn(1, d, generator=gen), torch.tensor([7]))
         proposer.propose(ids)
+
+    # the chain the tuner picks on this machine: catch up on two committed positions, draft two
+    # tokens one at a time (top-1, no contrastive branch), right after a target forward
+    chain = DraftProposer(draft, TreeBudget(2, 1, 2), parallel_decoding=False)
+    chain.start(context + 4 * repeats + 64)
+    chain.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [7]))
+    chain.propose(ids)
+
+    def chain_cycle():
+        chain.observe(torch.randn(2, d, generator=gen), torch.tensor([7, 8]))
+        chain.propose(ids)
+    with torch.inference_mode():
+        chain_ms = median_ms(chain_cycle, repeats, warmup=1, before=lambda: jk.target(one, target_cache))
     return {"draft": shipped_draft(method), "head_vocab": draft.config.draft_vocab_size,
             "step_ms": round(step_ms, 2), "step_after_target_ms": round(step_cold_ms, 2), "step_nodes": nodes,
+            "chain2_propose_after_target_ms": round(chain_ms, 2),
             "propose_ms": round(median_ms(cycle, repeats), 2),
             "tree": {"depth": proposer.budget.depth, "top_k": proposer.budget.top_k,
                      "total_tokens": proposer.budget.total_tokens}}
@@ -133,6 +148,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         d["step_x_t1"] = round(d["step_ms"] / costs[1], 3)
         d["step_after_target_x_t1"] = round(d["step_after_target_ms"] / costs[1], 3)
         d["propose_x_t1"] = round(d["propose_ms"] / costs[1], 3)
+        d["chain2_propose_after_target_x_t1"] = round(d["chain2_propose_after_target_ms"] / costs[1], 3)
     engine = jk.engine("ar")
     ids = engine.encode(PROMPT)
     hf = AutoModelForCausalLM.from_pretrained(jk.target_path, dtype=torch.float32).eval()
