@@ -145,8 +145,7 @@ def test_top1_chain_path_equals_the_dynamic_tree(tmp_path, overrides, parallel, 
             tree = proposer.propose(context)
         else:
             with torch.inference_mode():
-                out = draft.heads(proposer._catch_up())
-                tree = proposer._propose_dynamic(context, out, proposer.cache.length, 4)
+                tree = proposer._propose_dynamic(context, proposer._catch_up(), proposer.cache.length, 4)
         trees.append(tree)
         lengths.append(proposer.cache.length)
     fast, general = trees
@@ -201,3 +200,22 @@ def test_fused_first_expert_equals_the_decoupled_first_child(tmp_path):
         torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(feats, ref_feat.reshape(1, -1), atol=1e-5, rtol=1e-5)
     assert len(experts) > 1  # the router's choice matters, and was followed
+
+
+@pytest.mark.parametrize("method,top_k", [("eagle2", 3), ("eagle2", 1), ("jakiro", 1)])
+def test_trees_with_and_without_the_fused_kernel_agree(tmp_path, monkeypatch, method, top_k):
+    """The fused expert-head-top-k call only changes how a step is computed: the same trees as
+    the per-operation path (the draft's ``heads``, then its head and top-k)."""
+    from jakiro.draft import DraftModel
+    overrides = {"parallel_decoding": False} if method == "jakiro" else {}
+    target, draft = _tiny_jakiro(tmp_path, method=method, **overrides)
+    prompt = torch.arange(2, 22)
+    trees = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(DraftModel, "mlp_head_topk", lambda self, *a: None)
+        proposer = DraftProposer(draft, TreeBudget(depth=3, top_k=top_k, total_tokens=6))
+        trees.append(proposer.propose(_start(proposer, target, prompt)))
+    assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+    assert trees[0].parents.tolist() == trees[1].parents.tolist()
+    torch.testing.assert_close(trees[0].scores, trees[1].scores, atol=1e-5, rtol=1e-5)

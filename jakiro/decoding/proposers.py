@@ -215,12 +215,11 @@ class DraftProposer(Proposer):
         depth = self.budget.depth if depth is None else min(depth, self.budget.depth)
         r = self._catch_up()
         base = self.cache.length  # = position of the root token
-        if self.budget.top_k == 1 and self.static is None:
-            return self._propose_chain(context, r, base, depth)
-        out = self.draft.heads(r)
         if self.static is not None:
-            return self._propose_static(context, out, base)
-        return self._propose_dynamic(context, out, base, depth)
+            return self._propose_static(context, self.draft.heads(r), base)
+        if self.budget.top_k == 1:
+            return self._propose_chain(context, r, base, depth)
+        return self._propose_dynamic(context, r, base, depth)
 
     def _catch_up(self) -> torch.Tensor:
         """One draft forward over the (feature, next token) pairs committed since the last cycle,
@@ -247,12 +246,12 @@ class DraftProposer(Proposer):
         node is the previous layer's only child and sees every scratch slot before it, so a draft
         step needs no mask and the tree no reranking (scores only fall along a chain: the best
         ``total_tokens`` candidates are its first ones). ``r``: the residual row of the root.
-        Same tree, a fraction of the bookkeeping (and of the expert work: ``_best_child``)."""
+        Same tree, a fraction of the bookkeeping (and of the expert work: ``_expand``)."""
         tokens: list[int] = []
         scores: list[float] = [0.0]
         normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
         for layer in range(normal_layers):
-            tok, logp, carried, out = self._best_child(r)
+            tok, logp, carried, out = self._expand(r, 1)
             tokens.append(int(tok))
             scores.append(scores[-1] + float(logp))
             if layer == normal_layers - 1:
@@ -261,7 +260,8 @@ class DraftProposer(Proposer):
                     tokens.append(int(con_tok))
                     scores.append(scores[-1] + float(con_logp))
                 break
-            r = self.draft.attend(carried.view(1, 1, -1), tok.view(1, 1), torch.tensor([base + layer]), self.cache)
+            r = self.draft.attend(carried.view(1, 1, -1), tok.view(1, 1), torch.tensor([base + layer]),
+                                  self.cache)
             self.cache.commit(1)
             self.draft_forwards += 1
         self.cache.truncate(base)
@@ -271,41 +271,42 @@ class DraftProposer(Proposer):
         tree.sources = torch.tensor([0] + [DRAFT] * n)
         return tree
 
-    def _best_child(self, r: torch.Tensor):
-        """The draft's most likely next token after residual row r [1, 1, d]: (token, log-prob,
-        the feature it carries [1, d], the draft output or None where the fused kernel ran).
-        EAGLE-2's one MLP, and a decoupled Jakiro node's first child (proposed by the expert the
-        router ranks first, whose output it carries), take one kernel call for the expert, head
-        and top-1: the other experts are not evaluated. The contrastive branch and blended
-        candidates need every activated expert (``heads``)."""
-        if self.mode == "single" or (self.mode == "decoupled" and not self.parallel):
-            fused = self.draft.mlp_head_topk(r[0], 1, self.head_vocab, self.draft.top_expert(r[0]))
+    def _expand(self, r: torch.Tensor, k: int):
+        """The top-k children of each forwarded row of residual rows r [1, F, d]: (tokens [F, k],
+        log-probs [F, k], the features they carry [F, k, d], the draft output, or None where the
+        fused kernel ran). EAGLE-2's one MLP, and a decoupled Jakiro node's only child (proposed
+        by the expert the router ranks first, whose output it carries), take one kernel call for
+        the expert, the head and its top-k: the other experts are not evaluated. The contrastive
+        branch, blended candidates and several decoupled children need every activated expert
+        (``heads``)."""
+        single = self.mode == "single"
+        if single or (self.mode == "decoupled" and not self.parallel and k == 1 and r.shape[1] == 1):
+            fused = self.draft.mlp_head_topk(r[0], k, self.head_vocab, 0 if single else self.draft.top_expert(r[0]))
             if fused is not None:
-                feats, tok, logp = fused
-                return tok, logp, feats, None
+                feats, tokens, logp = fused
+                return tokens, logp, feats.unsqueeze(1).expand(-1, tokens.shape[1], -1), None
         out = self.draft.heads(r)
-        tok, logp, carried = self._children(out, torch.zeros(1, dtype=torch.long), 1)
-        return tok, logp, carried.reshape(1, -1), out
+        return (*self._children(out, torch.arange(r.shape[1]), k), out)
 
-    def _propose_dynamic(self, context: list[int], out, base: int, depth: int) -> Tree:
+    def _propose_dynamic(self, context: list[int], r: torch.Tensor, base: int, depth: int) -> Tree:
         """Expand the top_k frontier layer by layer (one draft forward per layer, the last layer
-        from the contrastive branch with parallel decoding), then keep the best-scored nodes."""
+        from the contrastive branch with parallel decoding), then keep the best-scored nodes.
+        ``r``: the residual row of the root [1, 1, d]."""
         k, cache = self.budget.top_k, self.cache
         cands = _Candidates()
-        rows = torch.tensor([0])  # forwarded rows of the current frontier in `out`
         front_ids = torch.tensor([-1])  # their candidate ids (-1 = the root)
         front_scores = torch.zeros(1)
         slot_rows = torch.zeros(1, depth * k, dtype=torch.bool)  # draft scratch slots each frontier node sees
         n_slots = 0
         normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
         for layer in range(normal_layers):
-            tokens, logp, carried = self._children(out, rows, k)  # [F, k]
+            tokens, logp, carried, out = self._expand(r, k)  # [F, k]
             scores = front_scores.unsqueeze(1) + logp
             ids = cands.add(tokens, scores, front_ids)
             if layer == normal_layers - 1:
                 if self.parallel and depth >= 2:  # last layer from the contrastive branch of the same forward,
                     # hung under the best child of the node whose forward produced it
-                    con_tokens, con_logp = self._contrastive_children(out, rows, k)
+                    con_tokens, con_logp = self._contrastive_children(out, torch.arange(r.shape[1]), k)
                     best = scores.argmax(1, keepdim=True)
                     cands.add(con_tokens, scores.gather(1, best) + con_logp, ids.gather(1, best).squeeze(1))
                 break
@@ -318,11 +319,10 @@ class DraftProposer(Proposer):
             attn = torch.cat((torch.ones(pick.shape[0], base, dtype=torch.bool), new_rows[:, :n_slots]), 1)
             in_feats = carried.reshape(-1, carried.shape[-1])[pick]
             # the pair (f_t, x_{t+1}) for a node at depth layer+1 sits at position base + layer
-            out = self.draft(in_feats.unsqueeze(0), tokens.flatten()[pick].unsqueeze(0),
-                             torch.full((pick.shape[0],), base + layer), cache, attn)
+            r = self.draft.attend(in_feats.unsqueeze(0), tokens.flatten()[pick].unsqueeze(0),
+                                  torch.full((pick.shape[0],), base + layer), cache, attn)
             cache.commit(pick.shape[0])
             self.draft_forwards += 1
-            rows = torch.arange(pick.shape[0])
             front_ids, front_scores, slot_rows = ids.flatten()[pick], flat_scores[pick], new_rows
         cache.truncate(base)
         return cands.tree(context[-1], self.budget.total_tokens)
