@@ -37,9 +37,9 @@ def memory_floor_ms(nbytes: int, repeats: int) -> float:
 
 def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> dict:
     """For the shipped ``method`` draft: one draft step over ``nodes`` frontier nodes (the draft
-    forward plus its head), repeated on its own and each time right after a target forward (as
-    in decoding), one whole proposal with the draft's default tree, and a two-token chain
-    proposal (the kind ``jakiro tune`` picks here) right after a target forward."""
+    forward, its head and the top-k of the default tree), repeated on its own and each time right
+    after a target forward (as in decoding), one whole proposal with the draft's default tree, and
+    a two-token chain proposal (the kind ``jakiro tune`` picks here) right after a target forward."""
     from ..api import shipped_draft
     from ..decoding.proposers import DraftProposer, TreeBudget
     from ..draft import load_draft
@@ -57,9 +57,10 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
         positions = torch.full((nodes,), context)
         mask = torch.cat((torch.ones(nodes, context, dtype=torch.bool), torch.eye(nodes, dtype=torch.bool)), 1)
 
-        def step():
-            out = draft(feats, toks, positions, cache, mask)
-            return draft.head_logits(out.blend)
+        proposer = DraftProposer(draft, TreeBudget())
+
+        def step():  # as a dynamic tree's layer runs: attention, then experts, head and top-k
+            return proposer._expand(draft.attend(feats, toks, positions, cache, mask), proposer.budget.top_k)
         step_ms = median_ms(step, repeats)
         # in decoding a target forward runs between draft steps and pushes the draft's weights
         # out of the caches: the same step, each time right after a one-token target forward
@@ -67,7 +68,6 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
         one = torch.tensor([7])
         step_cold_ms = median_ms(step, repeats, warmup=1, before=lambda: jk.target(one, target_cache))
 
-    proposer = DraftProposer(draft, TreeBudget())
     proposer.start(context + 4 * repeats + 64)
     ids = torch.randint(0, 1000, (context,), generator=gen).tolist()
     proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [7]))
