@@ -316,6 +316,24 @@ def test_data_build_resumes_without_duplicating_records(tmp_path):
         build_dataset(str(tmp_path / "resumed"), DataConfig(None, str(src), max_records=6, max_len=99),
                       progress=False)
 
+    # --first-record: a new folder continues with the records another dataset left
+    tail = build_dataset(str(tmp_path / "tail"), DataConfig(None, str(src), max_records=3, first_record=3,
+                                                            shard_size=2), progress=False)
+    assert tail["records"] == 3
+    c = FeatureDataset(str(tmp_path / "tail"))
+    assert torch.equal(c.ids, a.ids[a.offsets[3]:]) and torch.equal(c.offsets, a.offsets[3:] - a.offsets[3])
+    with pytest.raises(JakiroError, match="different settings"):
+        build_dataset(str(tmp_path / "tail"), DataConfig(None, str(src), max_records=3, first_record=2),
+                      progress=False)
+    with pytest.raises(JakiroError, match="fewer than 9 records"):
+        build_dataset(str(tmp_path / "past"), DataConfig(None, str(src), first_record=9, skip_bad=True),
+                      progress=False)
+    assert not (tmp_path / "past").exists()
+    with pytest.raises(JakiroError, match="--first-record applies to a source read as it is"):
+        DataConfig(None, str(src), first_record=2, regenerate="greedy").check()
+    with pytest.raises(JakiroError, match="--first-record must be >= 0"):
+        DataConfig(None, str(src), first_record=-1).check()
+
 
 def test_decoding_tau_during_training_is_real_greedy_decoding(tmp_path, tiny_setup, monkeypatch):
     """The learning curve's τ is what greedy decoding with the draft of that step achieves on the

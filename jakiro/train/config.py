@@ -31,7 +31,10 @@ class DataConfig:
                                    "from a passage / extract / rewrite / translate prompts built from ShareGPT's "
                                    "texts; needs --regenerate) or a JSONL file of {'conversations': "
                                    "[{from, value}]} or {'messages': [{role, content}]}, optionally .gz")
-    max_records: int = _opt(1000, "conversations to build (counting from the start of the source)")
+    max_records: int = _opt(1000, "conversations to build (counting from --first-record)")
+    first_record: int = _opt(0, "skip this many records at the start of the source, usable or not (to "
+                                "extend a dataset in a new folder: the earlier one's records_done, in its "
+                                "state.json)")
     max_len: int = _opt(512, "tokens per conversation (truncated)")
     shard_size: int = _opt(64, "conversations per safetensors shard (the unit of resuming)")
     regenerate: str = _opt("none", "replace assistant turns with the target's own answers",
@@ -54,6 +57,11 @@ class DataConfig:
             raise JakiroError(f"unknown regeneration mode {self.regenerate!r}; choose none, greedy or sample")
         if self.source == TASKS_SOURCE and self.regenerate == "none":
             raise JakiroError(f"--source {TASKS_SOURCE} holds prompts only: add --regenerate greedy (or sample)")
+        if self.first_record < 0:
+            raise JakiroError(f"--first-record must be >= 0, got {self.first_record}")
+        if self.first_record and self.regenerate != "none":
+            raise JakiroError("--first-record applies to a source read as it is; with --regenerate, "
+                              "--max-records already continues the regenerated file")
         if self.source not in ("sharegpt", TASKS_SOURCE) and not os.path.isfile(self.source):
             raise JakiroError(f"dataset not found: {self.source}")
 

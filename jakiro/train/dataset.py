@@ -180,6 +180,8 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
                 "regenerate": cfg.regenerate, "seed": cfg.seed}
     if cfg.regenerate != "none":
         identity.update(regen_max_tokens=cfg.regen_max_tokens, sample_share=cfg.sample_share)
+    if cfg.first_record:
+        identity["first_record"] = cfg.first_record
     state = _read_state(out)
     if state is None:
         if any(f.endswith(".safetensors") for f in os.listdir(out)):
@@ -198,6 +200,10 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         prompt_filter = None  # the regenerated file holds admitted conversations only
     skipped: list[int] | None = [] if cfg.skip_bad and cfg.regenerate == "none" else None
     records = _admitted(source, prompt_filter, skipped)
+    for _ in range(cfg.first_record):  # conversations left to another dataset
+        if next(records, None) is None:
+            raise JakiroError(f"{cfg.source} holds fewer than {cfg.first_record} records: "
+                              f"nothing after --first-record {cfg.first_record}")
     for _ in range(state["records_done"]):  # resume: skip what the shards already cover
         if next(records, None) is None:
             break
