@@ -30,26 +30,42 @@ using jakiro::VL;
 using jakiro::vi;
 
 // e^x to about one ulp (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n through the
-// exponent bits); inputs below -87.3 give ~1e-38 instead of 0, which no softmax or SiLU notices
-inline vf vexp(vf x) {
-  const vf lo = vf{} - 87.3f, hi = vf{} + 88.3f;
+// exponent bits); inputs below -87.3 give ~1e-38 instead of 0, which no softmax or SiLU notices.
+// Written for any vector width: every lane computes the same whatever the width.
+template <typename F, typename I>
+inline F vexp_lanes(F x) {
+  const F lo = F{} - 87.3f, hi = F{} + 88.3f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const vf t = x * 1.44269504088896341f;
-  const vi n = __builtin_convertvector(t + (t >= 0.f ? vf{} + 0.5f : vf{} - 0.5f), vi);
-  const vf nf = __builtin_convertvector(n, vf);
-  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  vf p = vf{} + 1.9875691500e-4f;
+  const F t = x * 1.44269504088896341f;
+  const I n = __builtin_convertvector(t + (t >= 0.f ? F{} + 0.5f : F{} - 0.5f), I);
+  const F nf = __builtin_convertvector(n, F);
+  const F r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const vi bits = (n + 127) << 23;
-  vf scale;
+  const I bits = (n + 127) << 23;
+  F scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
+}
+
+inline vf vexp(vf x) {
+#if defined(__AVX512F__)
+  return vexp_lanes<vf, vi>(x);
+#else
+  // in halves the machine has registers for (16-lane conversions between floats and integers
+  // went through memory one lane at a time with AVX2)
+  typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
+  using jakiro::vf8;
+  const vf8 a = vexp_lanes<vf8, vi8>(__builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+  const vf8 b = vexp_lanes<vf8, vi8>(__builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
 }
 
 inline float sexp(float x) {
@@ -144,24 +160,68 @@ inline jakiro::vf4 hsum4(vf a, vf b, vf c, vf d) {
   return __builtin_shufflevector(abcd, abcd, 0, 2, 4, 6) + __builtin_shufflevector(abcd, abcd, 1, 3, 5, 7);
 }
 
-// Scores of G query heads q [G][C vectors] against keys k[0..3] (C vectors each): four chains
-// side by side per head, each key vector loaded once for all G heads
+// Attention runs on the widest vectors the machine has registers for: 16 lanes (AVX-512, 32
+// registers) or 8 (AVX2, 16 registers; GCC spills 16-lane accumulators there and builds every
+// scalar broadcast through memory). Per pass, NK keys are scored at once and CH chunks of values
+// accumulated at once for the G heads sharing a KV head, so their partial sums stay in
+// registers. Every row goes through the same instructions, so a head's sums do not depend on
+// the other rows (nor on G).
+#if defined(__AVX512F__)
+using av = vf;
+constexpr int AL = 16;
+constexpr int SCORE_KEYS = 4;
 template <int C, int G>
-inline void dot4_heads(const float* q, int64_t D, const float* const* k, jakiro::vf4* out) {
-  vf acc[G][4];
+constexpr int value_chunks() { return C; }
+inline float ahsum(av v) { return hsum(v); }
+inline av aexp(av v) { return vexp_lanes<vf, vi>(v); }
+#else
+using av = jakiro::vf8;
+constexpr int AL = 8;
+constexpr int SCORE_KEYS = 2;
+template <int C, int G>
+constexpr int value_chunks() { return G >= 3 ? 2 : 4 < C ? 4 : C; }
+inline float ahsum(av v) {
+  const jakiro::vf4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const jakiro::vf4 c = b + __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  return c[0] + c[1];
+}
+typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
+inline av aexp(av v) { return vexp_lanes<av, vi8>(v); }
+#endif
+
+inline av aload(const float* p) {
+  av v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void astore(float* p, av v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Scores of G query heads q [G][C vectors] against keys k[0..NK): NK chains side by side per
+// head, each key vector loaded once for all G heads; out[h][j] for key j
+template <int C, int G, int NK>
+inline void dot_heads(const float* q, int64_t D, const float* const* k, float (*out)[4]) {
+  av acc[G][NK];
   for (int h = 0; h < G; ++h)
-    for (int j = 0; j < 4; ++j) acc[h][j] = vf{};
+    for (int j = 0; j < NK; ++j) acc[h][j] = av{};
   for (int i = 0; i < C; ++i) {
-    const vf k0 = load(k[0] + i * VL), k1 = load(k[1] + i * VL), k2 = load(k[2] + i * VL), k3 = load(k[3] + i * VL);
+    av kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = aload(k[j] + i * AL);
     for (int h = 0; h < G; ++h) {
-      const vf qv = load(q + h * D + i * VL);
-      acc[h][0] += qv * k0;
-      acc[h][1] += qv * k1;
-      acc[h][2] += qv * k2;
-      acc[h][3] += qv * k3;
+      const av qv = aload(q + h * D + i * AL);
+      for (int j = 0; j < NK; ++j) acc[h][j] += qv * kv[j];
     }
   }
-  for (int h = 0; h < G; ++h) out[h] = hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+  for (int h = 0; h < G; ++h) {
+#if defined(__AVX512F__)
+    if constexpr (NK == 4) {
+      const jakiro::vf4 s = hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+      for (int j = 0; j < 4; ++j) out[h][j] = s[j];
+      continue;
+    }
+#endif
+    for (int j = 0; j < NK; ++j) out[h][j] = ahsum(acc[h][j]);
+  }
 }
 
 // softmax of each head's scores in place (s [g][L]); returns 1 / sum per head in inv
@@ -170,14 +230,15 @@ inline void softmax_rows(float* scores, int64_t g, int64_t L, float* inv) {
     float* s = scores + h * L;
     float m = s[0];
     for (int64_t j = 1; j < L; ++j) m = std::max(m, s[j]);
-    vf acc = vf{};
+    const av mv = av{} + m;
+    av acc = av{};
     int64_t j = 0;
-    for (; j + VL <= L; j += VL) {
-      const vf e = vexp(load(s + j) - m);
-      store(s + j, e);
+    for (; j + AL <= L; j += AL) {
+      const av e = aexp(aload(s + j) - mv);
+      astore(s + j, e);
       acc += e;
     }
-    float sum = hsum(acc);
+    float sum = ahsum(acc);
     for (; j < L; ++j) {
       s[j] = sexp(s[j] - m);
       sum += s[j];
@@ -186,45 +247,51 @@ inline void softmax_rows(float* scores, int64_t g, int64_t L, float* inv) {
   }
 }
 
-// The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D], D = 16 C.
-// Keys and values are read once for all G heads; a head's sums do not depend on G (attend_any
-// runs other group sizes one head at a time). scores: scratch of G * (number of keys) floats.
+// The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D], D = AL C.
+// Keys and values are read once per pass for all G heads (attend_any runs other group sizes one
+// head at a time). scores: scratch of G * (number of keys) floats.
 template <int C, int G>
 void attend_heads(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
                   float scale, float* out, float* scores) {
+  constexpr int NK = SCORE_KEYS, CH = value_chunks<C, G>();
+  static_assert(C % CH == 0, "value chunks must divide the head");
   const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
   auto key = [&](int64_t i) { return i < P ? i : vis.extra[i - P]; };
   int64_t i = 0;
-  for (; i + 4 <= L; i += 4) {
-    const float* k[4] = {K + key(i) * ld, K + key(i + 1) * ld, K + key(i + 2) * ld, K + key(i + 3) * ld};
-    jakiro::vf4 s4[G];
-    dot4_heads<C, G>(q, D, k, s4);
+  float sc[G][4];
+  for (; i + NK <= L; i += NK) {
+    const float* k[NK];
+    for (int j = 0; j < NK; ++j) k[j] = K + key(i + j) * ld;
+    dot_heads<C, G, NK>(q, D, k, sc);
     for (int h = 0; h < G; ++h)
-      for (int j = 0; j < 4; ++j) scores[h * L + i + j] = s4[h][j] * scale;
+      for (int j = 0; j < NK; ++j) scores[h * L + i + j] = sc[h][j] * scale;
   }
   for (; i < L; ++i) {
     const float* k = K + key(i) * ld;
-    for (int h = 0; h < G; ++h) scores[h * L + i] = dot(q + h * D, k, D) * scale;
+    dot_heads<C, G, 1>(q, D, &k, sc);
+    for (int h = 0; h < G; ++h) scores[h * L + i] = sc[h][0] * scale;
   }
   float inv[G];
   softmax_rows(scores, G, L, inv);
-  vf acc[G][C];
-  for (int h = 0; h < G; ++h)
-    for (int c = 0; c < C; ++c) acc[h][c] = vf{};
-  for (int64_t t = 0; t < L; ++t) {
-    const float* v = V + key(t) * ld;
-    vf vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load(v + c * VL);
-    for (int h = 0; h < G; ++h) {
-      const float p = scores[h * L + t];
-      for (int c = 0; c < C; ++c) acc[h][c] += p * vv[c];
+  for (int c0 = 0; c0 < C; c0 += CH) {
+    av acc[G][CH];
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < CH; ++c) acc[h][c] = av{};
+    for (int64_t t = 0; t < L; ++t) {
+      const float* v = V + key(t) * ld + c0 * AL;
+      av vv[CH];
+      for (int c = 0; c < CH; ++c) vv[c] = aload(v + c * AL);
+      for (int h = 0; h < G; ++h) {
+        const av p = av{} + scores[h * L + t];
+        for (int c = 0; c < CH; ++c) acc[h][c] += p * vv[c];
+      }
     }
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < CH; ++c) astore(out + h * D + (c0 + c) * AL, acc[h][c] * inv[h]);
   }
-  for (int h = 0; h < G; ++h)
-    for (int c = 0; c < C; ++c) store(out + h * D + c * VL, acc[h][c] * inv[h]);
 }
 
-// One query head q [D] attends the keys `vis`, for a head size that is not a multiple of 16
+// One query head q [D] attends the keys `vis`, for a head size that is not a multiple of the lanes
 void attend_scalar(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
                    float scale, float* out, float* scores) {
   const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
@@ -256,13 +323,13 @@ void attend_each(const float* q, int64_t g, const float* K, const float* V, int6
 
 void attend_any(const float* q, int64_t g, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
                 float scale, float* out, float* scores) {
-  if (D == 64 && g == 3) return attend_heads<4, 3>(q, K, V, ld, vis, D, scale, out, scores);
-  if (D == 64 && g == 4) return attend_heads<4, 4>(q, K, V, ld, vis, D, scale, out, scores);
-  if (D == 128 && g == 2) return attend_heads<8, 2>(q, K, V, ld, vis, D, scale, out, scores);
+  if (D == 64 && g == 3) return attend_heads<64 / AL, 3>(q, K, V, ld, vis, D, scale, out, scores);
+  if (D == 64 && g == 4) return attend_heads<64 / AL, 4>(q, K, V, ld, vis, D, scale, out, scores);
+  if (D == 128 && g == 2) return attend_heads<128 / AL, 2>(q, K, V, ld, vis, D, scale, out, scores);
   switch (D) {
-    case 64: attend_each<4>(q, g, K, V, ld, vis, D, scale, out, scores); break;
-    case 128: attend_each<8>(q, g, K, V, ld, vis, D, scale, out, scores); break;
-    case 32: attend_each<2>(q, g, K, V, ld, vis, D, scale, out, scores); break;
+    case 64: attend_each<64 / AL>(q, g, K, V, ld, vis, D, scale, out, scores); break;
+    case 128: attend_each<128 / AL>(q, g, K, V, ld, vis, D, scale, out, scores); break;
+    case 32: attend_each<32 / AL>(q, g, K, V, ld, vis, D, scale, out, scores); break;
     default: attend_each<0>(q, g, K, V, ld, vis, D, scale, out, scores); break;
   }
 }
