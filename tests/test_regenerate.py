@@ -51,6 +51,36 @@ def test_decode_batch_equals_single_sequence_forward(tmp_path):
         torch.testing.assert_close(torch.stack(batched_logits[b]), ref[len(p):], atol=1e-4, rtol=1e-4)
 
 
+
+def test_decode_batch_is_bitwise_one_sequence_decoding(tmp_path):
+    """Each row of a batched step gets exactly the logits and features that decoding its sequence
+    alone, one token per forward, gives (the one-call stack visits the same keys in the same
+    order and its kernels never mix rows)."""
+    target = TargetModel.from_folder(make_tiny_target(str(tmp_path), "llama"))
+    if target._fused is None:
+        pytest.skip("the one-call decoder stack is not built here")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 256, (n,), generator=g) for n in (5, 1, 9, 3)]
+    cache = target.new_batch_cache(4, 32)
+    singles, last = [], []
+    for b, p in enumerate(prompts):
+        target(p, cache.slot(b))
+        cache.set_length(b, len(p))
+        alone = target.new_cache(32)
+        target(p, alone)
+        alone.commit(len(p))
+        singles.append(alone)
+        last.append(int(p[-1]) + 1)
+    for _ in range(4):
+        tokens = torch.tensor(last)
+        logits, feats = target.decode_batch(tokens, cache)
+        cache.advance()
+        for b, alone in enumerate(singles):
+            ref_logits, ref_feats = target(tokens[b:b + 1], alone)
+            alone.commit(1)
+            assert torch.equal(logits[b], ref_logits[0]) and torch.equal(feats[b], ref_feats[0])
+        last = logits.argmax(-1).tolist()
+
 CONVERSATIONS = [
     [{"role": "user", "content": "Name three colours."}, {"role": "assistant", "content": "x"},
      {"role": "user", "content": "And three animals?"}, {"role": "assistant", "content": "y"}],

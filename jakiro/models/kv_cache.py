@@ -85,11 +85,15 @@ class BatchKVCache:
     def set_length(self, b: int, length: int) -> None:
         self.lengths[b] = length
 
+    def check_room(self) -> None:
+        """Every slot must have room for one more entry."""
+        if int(self.lengths.max()) >= self.max_len:
+            raise ValueError(f"KV cache overflow: a slot is full ({self.max_len} entries)")
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one new entry per slot, k, v [batch, kv_heads, head_dim], at each slot's length;
         return views [batch, kv_heads, max(lengths) + 1, head_dim]."""
-        if int(self.lengths.max()) >= self.max_len:
-            raise ValueError(f"KV cache overflow: a slot is full ({self.max_len} entries)")
+        self.check_room()
         rows = torch.arange(self.batch)
         layer_kv = self.data[layer]
         layer_kv[0, rows, :, self.lengths] = k

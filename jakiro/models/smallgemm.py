@@ -149,6 +149,13 @@ def decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask, num_
                                                      num_heads, num_kv_heads, eps, scale)
 
 
+def decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin, num_heads, num_kv_heads, eps, scale):
+    """One new token for each of a batch of independent sequences through the whole decoder stack
+    (``csrc/decoder.cpp``); see ``TargetModel.decode_batch``."""
+    return torch.ops.jakiro_smallgemm.decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin,
+                                                           num_heads, num_kv_heads, eps, scale)
+
+
 def draft_attend(x, fc, fc_bias, norm, qkv, o, kv, past, cos, sin, mask, num_heads, num_kv_heads, eps, scale):
     """A draft step's fusion layer and attention block in one call (``csrc/decoder.cpp``); see
     ``DraftModel.attend``."""

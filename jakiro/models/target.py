@@ -312,10 +312,17 @@ class TargetModel:
         if B != cache.batch:
             raise ValueError(f"{B} tokens for a cache of {cache.batch} sequences")
         positions = cache.lengths
+        x = self.embed[input_ids]  # [B, d]
+        if self._fused is not None:
+            cache.check_room()
+            x = smallgemm.decoder_layers_batch(x, *self._fused, cache.data, positions, self.cos[positions],
+                                               self.sin[positions], cfg.num_heads, cfg.num_kv_heads,
+                                               cfg.rms_norm_eps, self.scale)
+            features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
+            return self.lm_head(features), features
         cos = self.cos[positions].unsqueeze(1)  # [B, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         mask = cache.attention_mask()
-        x = self.embed[input_ids]  # [B, d]
         for i, layer in enumerate(self.layers):
             q, k, v = self._attention_inputs(layer, x, cos, sin)
             k_all, v_all = cache.write(i, k, v)

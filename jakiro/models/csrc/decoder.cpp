@@ -356,6 +356,14 @@ struct LayerCache {
   float* k;
   float* v;
   int64_t head_stride, row_stride;
+  // independent sequences (batched decoding): row r has its own cache, batch_stride floats after
+  // row r - 1's, and its new entry goes at position at[r]; else all rows share one cache and
+  // row r goes at past + r
+  int64_t batch_stride = 0;
+  const int64_t* at = nullptr;
+  float* k_of(int64_t r) const { return k + r * batch_stride; }
+  float* v_of(int64_t r) const { return v + r * batch_stride; }
+  int64_t position(int64_t r, int64_t past) const { return at ? at[r] : past + r; }
 };
 
 struct Scratch {
@@ -386,9 +394,10 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
       }
       rope(v, cos + r * D, sin + r * D, D);
     }
+    const int64_t p = c.position(r, past);
     for (int64_t j = 0; j < Hkv; ++j) {
-      std::memcpy(c.k + j * c.head_stride + (past + r) * c.row_stride, row + (H + j) * D, D * sizeof(float));
-      std::memcpy(c.v + j * c.head_stride + (past + r) * c.row_stride, row + (H + Hkv + j) * D, D * sizeof(float));
+      std::memcpy(c.k_of(r) + j * c.head_stride + p * c.row_stride, row + (H + j) * D, D * sizeof(float));
+      std::memcpy(c.v_of(r) + j * c.head_stride + p * c.row_stride, row + (H + Hkv + j) * D, D * sizeof(float));
     }
   }
   // one task per (row, KV head); its g query heads are consecutive in q
@@ -396,8 +405,8 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
   at::parallel_for(0, n * Hkv, work >= PARALLEL_WORK ? 1 : n * Hkv, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / Hkv, j = t % Hkv;
-      attend_any(s.qkv + r * NQKV + j * g * D, g, c.k + j * c.head_stride, c.v + j * c.head_stride, c.row_stride,
-             vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + t * ld);
+      attend_any(s.qkv + r * NQKV + j * g * D, g, c.k_of(r) + j * c.head_stride, c.v_of(r) + j * c.head_stride,
+                 c.row_stride, vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + t * ld);
     }
   });
   jakiro::apply_linear(*w.o, d, nullptr, s.o, n, H * D, s.y);
@@ -448,21 +457,14 @@ LayerCache layer_cache(const at::Tensor& kv, int64_t layer) {
   return {k, k + kv.stride(1), kv.stride(3), kv.stride(4)};
 }
 
-at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
-                          at::IntArrayRef out_features, const at::Tensor& kv, int64_t past, const at::Tensor& cos,
-                          const at::Tensor& sin, const c10::optional<at::Tensor>& tree_mask, int64_t H, int64_t Hkv,
-                          double eps, double scale) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers: x must be [n, d] float32");
-  const int64_t layers = static_cast<int64_t>(weights.size()) / SLOTS;
+// The layers' weights as decoder_layers takes them (nine per layer), checked against the shapes;
+// fills S.inter
+std::vector<AttentionWeights> layer_weights(const std::vector<c10::optional<at::Tensor>>& weights,
+                                            at::IntArrayRef out_features, Shape& S) {
+  const int64_t layers = static_cast<int64_t>(weights.size()) / SLOTS, d = S.d;
   TORCH_CHECK(layers * SLOTS == static_cast<int64_t>(weights.size()) &&
                   static_cast<int64_t>(out_features.size()) == 4 * layers,
               "decoder_layers: 9 weights and 4 output sizes per layer");
-  auto x = x_in.contiguous().clone();
-  const int64_t n = x.size(0), d = x.size(1);
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decoder_layers: head layout");
-  check_cache(kv, layers, Hkv, past, n);
-  Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
-  check_rope(cos, sin, n, S.D);
   std::vector<AttentionWeights> attn(layers);
   for (int64_t l = 0; l < layers; ++l) {
     const auto* w = &weights[l * SLOTS];
@@ -472,26 +474,89 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optiona
     TORCH_CHECK(N[0] == S.qkv() && N[1] == d && N[3] == d && N[2] % 2 == 0 && (l == 0 || N[2] / 2 == S.inter),
                 "decoder_layers: layer ", l, " shapes");
     S.inter = N[2] / 2;
-    TORCH_CHECK(jakiro::valid_linear(*w[2], N[0], d) && jakiro::valid_linear(*w[4], N[1], H * S.D) &&
+    TORCH_CHECK(jakiro::valid_linear(*w[2], N[0], d) && jakiro::valid_linear(*w[4], N[1], S.H * S.D) &&
                     jakiro::valid_linear(*w[5], N[2], d) && jakiro::valid_linear(*w[6], N[3], S.inter),
                 "decoder_layers: layer ", l, " has a weight the kernels cannot take");
     attn[l] = {w[0]->data_ptr<float>(), &*w[2], optional_data(w[3]), &*w[4], optional_data(w[7]), optional_data(w[8])};
   }
-  const auto vis = visibility(tree_mask, n, past, false);
+  return attn;
+}
+
+// x [n, d] through every layer; row r attends what vis[r] names in cache(l, r)
+at::Tensor run_layers(at::Tensor x, const std::vector<c10::optional<at::Tensor>>& weights, Shape S,
+                      const std::vector<AttentionWeights>& attn, const std::vector<LayerCache>& caches, int64_t past,
+                      const at::Tensor& cos, const at::Tensor& sin, const std::vector<Visible>& vis, int64_t keys) {
+  const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv;
   auto opts = x.options();
   auto h = at::empty({n, d}, opts), ob = at::empty({n, H * S.D}, opts), qkv = at::empty({n, S.qkv()}, opts);
   auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * S.inter}, opts), act = at::empty({n, S.inter}, opts);
-  auto scores = at::empty({n * Hkv, (H / Hkv) * (past + n)}, opts);
+  auto scores = at::empty({n * Hkv, (H / Hkv) * keys}, opts);
   const Scratch scratch{h.data_ptr<float>(), qkv.data_ptr<float>(), ob.data_ptr<float>(), y.data_ptr<float>(),
-                        scores.data_ptr<float>(), past + n};
+                        scores.data_ptr<float>(), keys};
   float* xp = x.data_ptr<float>();
-  for (int64_t l = 0; l < layers; ++l) {
+  for (size_t l = 0; l < attn.size(); ++l) {
     const auto* w = &weights[l * SLOTS];
-    attention_block(xp, S, attn[l], layer_cache(kv, l), past, cos.data_ptr<float>(), sin.data_ptr<float>(), vis,
-                    scratch);
+    attention_block(xp, S, attn[l], caches[l], past, cos.data_ptr<float>(), sin.data_ptr<float>(), vis, scratch);
     mlp_block(xp, S, w[1]->data_ptr<float>(), *w[5], *w[6], scratch.y, gu.data_ptr<float>(), act.data_ptr<float>());
   }
   return x;
+}
+
+at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
+                          at::IntArrayRef out_features, const at::Tensor& kv, int64_t past, const at::Tensor& cos,
+                          const at::Tensor& sin, const c10::optional<at::Tensor>& tree_mask, int64_t H, int64_t Hkv,
+                          double eps, double scale) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers: x must be [n, d] float32");
+  auto x = x_in.contiguous().clone();
+  const int64_t n = x.size(0), d = x.size(1), layers = static_cast<int64_t>(weights.size()) / SLOTS;
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decoder_layers: head layout");
+  check_cache(kv, layers, Hkv, past, n);
+  Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
+  check_rope(cos, sin, n, S.D);
+  const auto attn = layer_weights(weights, out_features, S);
+  std::vector<LayerCache> caches;
+  for (int64_t l = 0; l < layers; ++l) caches.push_back(layer_cache(kv, l));
+  return run_layers(x, weights, S, attn, caches, past, cos, sin, visibility(tree_mask, n, past, false), past + n);
+}
+
+// One new token for each of B independent sequences (batched decoding): x [B, d]; sequence r's
+// keys and values are kv[:, :, r] ([layers, 2, B, Hkv, max_len, D]), its token goes at position
+// lengths[r] and attends positions 0..lengths[r], in order, as ``decoder_layers`` would decode
+// it alone.
+at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
+                                at::IntArrayRef out_features, const at::Tensor& kv, const at::Tensor& lengths,
+                                const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv, double eps,
+                                double scale) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers_batch: x must be [B, d] float32");
+  auto x = x_in.contiguous().clone();
+  const int64_t n = x.size(0), d = x.size(1), layers = static_cast<int64_t>(weights.size()) / SLOTS;
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decoder_layers_batch: head layout");
+  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kFloat && kv.size(0) == layers && kv.size(2) == n &&
+                  kv.size(3) == Hkv && kv.stride(5) == 1 && kv.stride(4) == kv.size(5) && kv.size(5) % 2 == 0 &&
+                  kv.size(5) <= 1024,
+              "decoder_layers_batch: the KV cache does not match the model and batch");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == n && lengths.scalar_type() == at::kLong &&
+                  lengths.is_contiguous(),
+              "decoder_layers_batch: lengths must be [B] int64");
+  const int64_t* at_pos = lengths.data_ptr<int64_t>();
+  int64_t keys = 1;
+  std::vector<Visible> vis(n);
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(at_pos[r] >= 0 && at_pos[r] < kv.size(4), "KV cache overflow: a sequence is full");
+    vis[r].prefix = at_pos[r] + 1;
+    keys = std::max(keys, at_pos[r] + 1);
+  }
+  Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
+  check_rope(cos, sin, n, S.D);
+  const auto attn = layer_weights(weights, out_features, S);
+  std::vector<LayerCache> caches;
+  for (int64_t l = 0; l < layers; ++l) {
+    LayerCache c = layer_cache(kv, l);
+    c.batch_stride = kv.stride(2);
+    c.at = at_pos;
+    caches.push_back(c);
+  }
+  return run_layers(x, weights, S, attn, caches, 0, cos, sin, vis, keys);
 }
 
 // A draft's fusion layer and attention block (EAGLE's fc over [embedding, feature], then a
@@ -587,6 +652,9 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("decoder_layers(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, int past, Tensor cos, "
         "Tensor sin, Tensor? tree_mask, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
         decoder_layers);
+  m.def("decoder_layers_batch(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, Tensor lengths, "
+        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
+        decoder_layers_batch);
   m.def("draft_attend(Tensor x, Tensor fc, Tensor? fc_bias, Tensor norm, Tensor qkv, Tensor o, Tensor kv, int past, "
         "Tensor cos, Tensor sin, Tensor? mask, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
         draft_attend);
