@@ -45,6 +45,7 @@ class RegenStats:
     cut_answers: int = 0
     length_limited_answers: int = 0
     skipped_too_long: int = 0  # conversations whose first prompt leaves no room for an answer
+    reused_prompt_tokens: int = 0  # a later turn's prompt tokens already in the slot (not prefilled again)
     seconds: float = 0.0
 
     @property
@@ -74,6 +75,15 @@ def repeated_tail(ids: list[int], min_span: int = 16, max_period: int = 100) -> 
     return None
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class _Conversation:
     index: int
@@ -86,6 +96,7 @@ class _Conversation:
     generated: int = 0
     cut: int = 0
     truncated: bool = False  # the current answer was cut (loop) or hit a length limit
+    fed: list[int] = field(default_factory=list)  # the tokens whose keys and values the slot holds
 
 
 class Regenerator:
@@ -113,10 +124,12 @@ class Regenerator:
             logits, _ = self.target.decode_batch(tokens, cache)  # [B, vocab]
             cache.advance()
             chosen = self._choose(logits, slots)
+            fed = tokens.tolist()
             for b, conv in enumerate(slots):
                 if conv is None:
                     cache.set_length(b, 0)
                     continue
+                conv.fed.append(fed[b])
                 if self._accept(conv, int(chosen[b])):
                     tokens[b] = int(chosen[b])
                 else:
@@ -182,8 +195,15 @@ class Regenerator:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) + MIN_ANSWER_ROOM > self.s.max_len:
             return False
-        logits, _ = self.target(torch.tensor(ids), cache.slot(b), logits_rows=slice(-1, None))
+        # the slot already holds the conversation so far where the new prompt repeats it token for
+        # token (the earlier turns, as prefilled and answered): only the rest is prefilled
+        keep = min(_common_prefix(conv.fed, ids), len(ids) - 1)
+        slot = cache.slot(b)
+        slot.length = keep
+        logits, _ = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None))
         cache.set_length(b, len(ids))
+        conv.fed = ids
+        self.stats.reused_prompt_tokens += keep
         conv.prompt_len, conv.answer, conv.truncated = len(ids), [], False
         first = int(self._choose(logits, [conv])[0])
         if not self._accept(conv, first):
