@@ -308,8 +308,6 @@ void qlinear_spans(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int
 // dequantized panel in L1 for all rows or eight rows per block were no faster).
 namespace avx2 {
 
-typedef float v8 __attribute__((vector_size(32)));
-
 template <bool Q4>
 inline void dequant8(const uint8_t* blk, __m256 out[4]) {
   const __m256 dv = _mm256_broadcast_ss(reinterpret_cast<const float*>(blk));
