@@ -168,6 +168,46 @@ def test_regeneration_resumes_after_a_kill_without_duplicates(tmp_path):
     assert (tmp_path / "fresh" / "regenerated.jsonl").read_text() != ""
 
 
+
+def test_features_taken_in_the_regeneration_pass_equal_a_separate_pass(tmp_path):
+    """The features a regenerated dataset takes from the generation's own forwards are those a
+    separate pass over the regenerated file computes (float16 rounding apart), on the same ids
+    and loss masks; a conversation whose stored ids differ is computed again."""
+    import os
+    import shutil
+
+    from jakiro.train.dataset import FEATURES_PREFIX, DataConfig, FeatureDataset, build_dataset
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    cfg = dict(source=str(src), max_len=96, regenerate="greedy", regen_max_tokens=12, regen_batch=3)
+    out = tmp_path / "data"
+    state = build_dataset(str(out), DataConfig(None, max_records=4, **cfg), progress=False)
+    assert state["features_from_regeneration"] == 4
+    run = state["regeneration_runs"][-1]
+    assert run["feature_tokens_reused"] > 5 * run["feature_tokens_computed"] > 0  # closing tokens only
+    # as after a kill between the regeneration and the dataset pass, one line edited since
+    again = tmp_path / "again"
+    again.mkdir()
+    lines = (out / "regenerated.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    first["messages"][1]["content"] += " Edited."
+    (again / "regenerated.jsonl").write_text("\n".join([json.dumps(first)] + lines[1:]) + "\n")
+    for name in os.listdir(out):
+        if name.startswith(FEATURES_PREFIX):
+            shutil.copy(out / name, again / name)
+    recomputed = build_dataset(str(again), DataConfig(None, max_records=4, **cfg), progress=False)
+    assert recomputed["features_from_regeneration"] == 3 and recomputed["records"] == 4
+    a, b = FeatureDataset(str(out)), FeatureDataset(str(again))
+    assert torch.equal(a.ids[a.offsets[1]:], b.ids[b.offsets[1]:])
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    shutil.copy(out / "regenerated.jsonl", fresh / "regenerated.jsonl")
+    separate = build_dataset(str(fresh), DataConfig(None, max_records=4, **cfg), progress=False)
+    assert "features_from_regeneration" not in separate
+    c = FeatureDataset(str(fresh))
+    assert torch.equal(a.ids, c.ids) and torch.equal(a.mask, c.mask)
+    torch.testing.assert_close(a.features.float(), c.features.float(), atol=2e-3, rtol=2e-3)
+
 def test_full_disk_while_writing_a_shard_is_a_clear_error(tmp_path, monkeypatch):
     import os
 

@@ -7,6 +7,12 @@ with the next conversation. Each conversation keeps its multi-turn structure and
 ``max_len`` tokens (what training reads). Degenerate loops (a block of tokens repeated three times
 in a row) are cut after the second copy and counted. Finished conversations are appended to a
 JSONL file, so a killed run resumes where it stopped and features can be rebuilt from the file.
+
+The target's features come out of the same forwards (``collect``): a slot keeps the feature of
+every token whose key it holds, and a finished conversation, tokenised as training reads it,
+takes them for the tokens it shares with what the slot decoded (all but the template's closing
+tokens, as a rule), the rest from one short forward on the slot's cache. No second pass over the
+conversation is needed.
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ class RegenStats:
     length_limited_answers: int = 0
     skipped_too_long: int = 0  # conversations whose first prompt leaves no room for an answer
     reused_prompt_tokens: int = 0  # a later turn's prompt tokens already in the slot (not prefilled again)
+    feature_tokens_reused: int = 0  # training tokens whose features came out of the generation's forwards
+    feature_tokens_computed: int = 0  # ... and those computed after the conversation ended
     seconds: float = 0.0
 
     @property
@@ -99,14 +107,25 @@ class _Conversation:
     fed: list[int] = field(default_factory=list)  # the tokens whose keys and values the slot holds
 
 
-class Regenerator:
-    """Runs the batched generation loop for one target and tokenizer."""
+# a finished conversation's training ids, loss mask and features [n, d] (float16), by the
+# position of its line in the output file
+Collect = Callable[[dict, list[int], list[int], torch.Tensor], None]
 
-    def __init__(self, target, tokenizer, eos_ids: set[int], settings: RegenSettings):
+
+class Regenerator:
+    """Runs the batched generation loop for one target and tokenizer. ``tokenize`` (messages ->
+    (ids, loss mask) or None, as training reads a conversation) and ``collect`` together turn on
+    the features of finished conversations (see the module docstring)."""
+
+    def __init__(self, target, tokenizer, eos_ids: set[int], settings: RegenSettings,
+                 tokenize: Callable[[list[dict]], tuple[list[int], list[int]] | None] | None = None,
+                 collect: Collect | None = None):
         self.target, self.tokenizer, self.eos_ids, self.s = target, tokenizer, eos_ids, settings
         self.sampling = SamplingParams(settings.temperature, settings.top_p)
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.stats = RegenStats()
+        self.tokenize, self.collect = tokenize, collect
+        self.slot_features: torch.Tensor | None = None  # [batch, max_len + 1, d] float16
 
     def run(self, jobs: Iterator[tuple[int, list[dict]]], write: Callable[[dict], None],
             on_step: Callable[[RegenStats], None] | None = None) -> RegenStats:
@@ -115,13 +134,18 @@ class Regenerator:
         s = self.s
         B = s.batch
         cache = self.target.new_batch_cache(B, s.max_len + 1)
+        if self.collect is not None:
+            self.slot_features = torch.zeros(B, s.max_len + 1, self.target.config.hidden_size, dtype=torch.float16)
         slots: list[_Conversation | None] = [None] * B
         tokens = torch.zeros(B, dtype=torch.long)
         t0 = time.perf_counter()
         for b in range(B):
             self._refill(b, slots, cache, tokens, jobs, write)
+        rows = torch.arange(B)
         while any(slots):
-            logits, _ = self.target.decode_batch(tokens, cache)  # [B, vocab]
+            logits, features = self.target.decode_batch(tokens, cache)  # [B, vocab], [B, d]
+            if self.slot_features is not None:
+                self.slot_features[rows, cache.lengths] = features.to(torch.float16)
             cache.advance()
             chosen = self._choose(logits, slots)
             fed = tokens.tolist()
@@ -200,7 +224,9 @@ class Regenerator:
         keep = min(_common_prefix(conv.fed, ids), len(ids) - 1)
         slot = cache.slot(b)
         slot.length = keep
-        logits, _ = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None))
+        logits, features = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None))
+        if self.slot_features is not None:
+            self.slot_features[b, keep:len(ids)] = features.to(torch.float16)
         cache.set_length(b, len(ids))
         conv.fed = ids
         self.stats.reused_prompt_tokens += keep
@@ -215,10 +241,10 @@ class Regenerator:
         conv = slots[b]
         if self._end_answer(conv) and self._start_turn(b, conv, cache, tokens):
             return
-        self._finish(conv, write)
+        self._finish(b, conv, cache, write)
         self._refill(b, slots, cache, tokens, jobs, write)
 
-    def _finish(self, conv: _Conversation, write) -> None:
+    def _finish(self, b: int, conv: _Conversation, cache, write) -> None:
         self.stats.cut_tokens += conv.cut
         answered = [m for m in conv.out if m.get("role") == "assistant"]
         if not answered:
@@ -226,8 +252,30 @@ class Regenerator:
         while conv.out and conv.out[-1].get("role") != "assistant":
             conv.out.pop()  # a trailing user turn that got no answer
         self.stats.conversations += 1
-        write({"source_index": conv.index, "messages": conv.out, "generated_tokens": conv.generated,
-               "cut_tokens": conv.cut, "mode": "sample" if conv.sampled else "greedy"})
+        record = {"source_index": conv.index, "messages": conv.out, "generated_tokens": conv.generated,
+                  "cut_tokens": conv.cut, "mode": "sample" if conv.sampled else "greedy"}
+        write(record)
+        if self.collect is not None:
+            self._collect(b, conv, cache, record)
+
+    def _collect(self, b: int, conv: _Conversation, cache, record: dict) -> None:
+        """Hand the finished conversation's training ids, mask and features to ``collect``: the
+        slot's features where its tokens agree with the training tokenisation, one forward on the
+        slot's cache for the rest (the closing tokens the decoding never fed)."""
+        tok = self.tokenize(conv.out)
+        if tok is None:
+            return
+        ids, mask = tok
+        common = _common_prefix(conv.fed, ids)
+        features = self.slot_features[b, :common]
+        if common < len(ids):
+            slot = cache.slot(b)
+            slot.length = common
+            _, rest = self.target(torch.tensor(ids[common:]), slot, logits_rows=slice(0, 0))
+            features = torch.cat((features, rest.to(torch.float16)))
+            self.stats.feature_tokens_computed += len(ids) - common
+        self.stats.feature_tokens_reused += common
+        self.collect(record, ids, mask, features.clone())
 
     def _refill(self, b, slots, cache, tokens, jobs, write) -> None:
         for index, messages in jobs:
@@ -237,7 +285,7 @@ class Regenerator:
                 return
             if not any(m.get("role") == "assistant" for m in conv.out):
                 self.stats.skipped_too_long += 1
-            self._finish(conv, write)
+            self._finish(b, conv, cache, write)
         slots[b] = None
         cache.set_length(b, 0)
 

@@ -65,9 +65,15 @@ def _admitted(source: str, prompt_filter, skipped: list[int] | None = None
         yield index, messages
 
 
+FEATURES_PREFIX = "regenerated-features-"  # features that came out of the regeneration's own forwards
+FEATURE_GROUP = 64  # conversations per such file
+
+
 def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, progress: bool = True) -> dict:
     """Append the target's own answers to ``cfg.source``'s conversations to ``path`` (JSONL)
-    until it holds ``cfg.max_records`` conversations; resumes from what the file holds."""
+    until it holds ``cfg.max_records`` conversations; resumes from what the file holds. The
+    features of each finished conversation, taken in the same forwards, are kept next to it
+    (``FEATURES_PREFIX`` files, keyed by the line), so the dataset pass need not compute them."""
     from tqdm import tqdm
 
     from ..data.regenerate import Regenerator, read_done
@@ -89,17 +95,29 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
             in_flight += 1
             yield index, messages
 
-    regen = Regenerator(jk.target, jk.tokenizer, jk.engine("ar").eos_ids, cfg.regen_settings())
+    folder = os.path.dirname(path)
+    group: list[tuple[int, list[int], list[int], torch.Tensor]] = []
+    last_line = -1
+
+    def collect(record, ids, mask, features) -> None:
+        group.append((last_line, ids, mask, features))
+        if len(group) == FEATURE_GROUP:
+            _write_feature_group(folder, group)
+
+    tokenize = lambda messages: tokenize_conversation(jk.tokenizer, messages, cfg.max_len)  # noqa: E731
+    regen = Regenerator(jk.target, jk.tokenizer, jk.engine("ar").eos_ids, cfg.regen_settings(),
+                        tokenize=tokenize, collect=collect)
     bar = tqdm(total=cfg.max_records, initial=written, desc="regenerate", unit="conv", disable=not progress)
     with open(path, "a", encoding="utf-8") as f:
         def write(record: dict) -> None:
-            nonlocal written, in_flight
+            nonlocal written, in_flight, last_line
             try:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 f.flush()
             except OSError as exc:
                 raise JakiroError(f"cannot append to {path}: {exc.strerror or exc}; the conversations "
                                   f"already written are kept, rerun the same command to resume") from None
+            last_line = written
             written += 1
             in_flight -= 1
             bar.update(1)
@@ -108,6 +126,8 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
             bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}", cut=stats.cut_tokens, refresh=False)
 
         stats = regen.run(jobs(), write, on_step)
+    if group:
+        _write_feature_group(folder, group)
     bar.close()
     report = stats.as_dict()
     if prompt_filter is not None:
@@ -115,6 +135,59 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
     if skipped is not None:
         report["skipped_bad_lines"] = len(skipped)
     return report
+
+
+def _write_feature_group(folder: str, group: list) -> None:
+    """Store and clear a group of (line, ids, mask, features); atomically, so a killed run leaves
+    whole files only (its last conversations' features are then computed by the dataset pass)."""
+    from safetensors.torch import save_file
+    existing = [n for n in os.listdir(folder) if n.startswith(FEATURES_PREFIX) and n.endswith(".safetensors")]
+    name = os.path.join(folder, f"{FEATURES_PREFIX}{len(existing):05d}.safetensors")
+    offsets = [0]
+    for _, ids, _, _ in group:
+        offsets.append(offsets[-1] + len(ids))
+    tensors = {"lines": torch.tensor([line for line, *_ in group], dtype=torch.int64),
+               "input_ids": torch.tensor([t for _, ids, _, _ in group for t in ids], dtype=torch.int32),
+               "loss_mask": torch.tensor([m for _, _, mask, _ in group for m in mask], dtype=torch.uint8),
+               "features": torch.cat([feats for *_, feats in group]),
+               "offsets": torch.tensor(offsets, dtype=torch.int64)}
+    try:
+        save_file(tensors, name + ".tmp")
+        os.replace(name + ".tmp", name)
+    except OSError as exc:
+        if os.path.exists(name + ".tmp"):
+            os.remove(name + ".tmp")
+        raise JakiroError(f"cannot write {name}: {exc.strerror or exc}; the regenerated conversations are "
+                          f"kept, rerun the same command to resume") from None
+    group.clear()
+
+
+class _GeneratedFeatures:
+    """The features the regeneration kept, by line of the regenerated file: ``get(line, ids)``
+    returns them where they were stored for exactly these training ids, else None."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+        self.where: dict[int, tuple[str, int, int]] = {}
+        names = sorted(n for n in os.listdir(folder) if n.startswith(FEATURES_PREFIX) and n.endswith(".safetensors"))
+        self.files = {}
+        for name in names:
+            path = os.path.join(folder, name)
+            handle = safe_open(path, "pt")
+            self.files[path] = handle
+            offsets = handle.get_tensor("offsets").tolist()
+            for i, line in enumerate(handle.get_tensor("lines").tolist()):
+                self.where[line] = (path, offsets[i], offsets[i + 1])
+
+    def get(self, line: int, ids: list[int]) -> torch.Tensor | None:
+        found = self.where.get(line)
+        if found is None:
+            return None
+        path, a, b = found
+        handle = self.files[path]
+        if handle.get_slice("input_ids")[a:b].tolist() != ids:
+            return None
+        return handle.get_slice("features")[a:b]
 
 
 def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[int], torch.Tensor]]) -> str:
@@ -184,7 +257,7 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         identity["first_record"] = cfg.first_record
     state = _read_state(out)
     if state is None:
-        if any(f.endswith(".safetensors") for f in os.listdir(out)):
+        if any(f.startswith("shard-") and f.endswith(".safetensors") for f in os.listdir(out)):
             raise JakiroError(f"{out} holds shards but no {STATE_FILE}: refusing to mix datasets")
         state = {"identity": identity, "records_done": 0, "records": 0, "tokens": 0,
                  "loss_tokens": 0, "shards": [], "token_counts": {}}
@@ -199,6 +272,7 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
             regenerate_conversations(jk, cfg, source, prompt_filter, progress))
         prompt_filter = None  # the regenerated file holds admitted conversations only
     skipped: list[int] | None = [] if cfg.skip_bad and cfg.regenerate == "none" else None
+    generated = _GeneratedFeatures(out) if cfg.regenerate != "none" else None
     records = _admitted(source, prompt_filter, skipped)
     for _ in range(cfg.first_record):  # conversations left to another dataset
         if next(records, None) is None:
@@ -226,10 +300,14 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         if tok is None:
             continue
         ids, mask = tok
-        with torch.inference_mode():
-            cache = target.new_cache(len(ids))
-            _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0))
-        feature_tokens += len(ids)
+        feats = generated.get(item[0], ids) if generated is not None else None
+        if feats is None:
+            with torch.inference_mode():
+                cache = target.new_cache(len(ids))
+                _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0))
+            feature_tokens += len(ids)
+        else:
+            state["features_from_regeneration"] = state.get("features_from_regeneration", 0) + 1
         pending.append((ids, mask, feats))
         bar.update(1)
         if len(pending) == cfg.shard_size or state["records"] + len(pending) >= cfg.max_records:
