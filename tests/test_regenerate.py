@@ -207,6 +207,13 @@ def test_features_taken_in_the_regeneration_pass_equal_a_separate_pass(tmp_path)
     c = FeatureDataset(str(fresh))
     assert torch.equal(a.ids, c.ids) and torch.equal(a.mask, c.mask)
     torch.testing.assert_close(a.features.float(), c.features.float(), atol=2e-3, rtol=2e-3)
+    # a dataset built later from the regenerated file, in another folder and from its third line
+    later = build_dataset(str(tmp_path / "later"), DataConfig(None, source=str(out / "regenerated.jsonl"),
+                                                              max_records=4, max_len=96, first_record=2),
+                          progress=False)
+    assert later["records"] == 2 and later["features_from_regeneration"] == 2
+    d = FeatureDataset(str(tmp_path / "later"))
+    assert torch.equal(d.features, a.features[a.offsets[2]:])
 
 def test_full_disk_while_writing_a_shard_is_a_clear_error(tmp_path, monkeypatch):
     import os

@@ -272,7 +272,8 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
             regenerate_conversations(jk, cfg, source, prompt_filter, progress))
         prompt_filter = None  # the regenerated file holds admitted conversations only
     skipped: list[int] | None = [] if cfg.skip_bad and cfg.regenerate == "none" else None
-    generated = _GeneratedFeatures(out) if cfg.regenerate != "none" else None
+    # the features a regeneration kept beside its file (here, or beside a --source that is one)
+    generated = _GeneratedFeatures(os.path.dirname(source)) if os.path.basename(source) == REGENERATED_FILE else None
     records = _admitted(source, prompt_filter, skipped)
     for _ in range(cfg.first_record):  # conversations left to another dataset
         if next(records, None) is None:
