@@ -89,6 +89,35 @@ def test_a_good_lookup_chain_leaves_a_weak_draft_idle(tiny):
     assert proposer.choose_depth(4) == 0  # next to it, drafting is not worth its cost
 
 
+
+def test_a_draft_that_repeats_the_chain_earns_nothing_beside_it(tiny):
+    """Accepted nodes that the lookup chain proposed too say nothing of what drafting adds: the
+    draft's chances are learnt where the chain failed."""
+    from jakiro.decoding.proposers import PromptLookupProposer
+    from jakiro.decoding.tree import DRAFT, LOOKUP
+    root, target, tok, prompts, reference = tiny
+    draft = random_draft(root, target, "eagle2", {}, "echo-draft")
+    costs = CostTable({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 16: 1.5}, {1: 0.15, 2: 0.3, 3: 0.45})
+    proposer = AdaptiveProposer(DraftProposer(draft, TreeBudget(3, 2, 6)), target, costs,
+                                lookup=PromptLookupProposer(num_tokens=4))
+    proposer.start(64)
+    prior = proposer.reach_probability()
+
+    def cycle(sources, accepted):
+        tree = build_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 1]))
+        tree.scores = torch.tensor([0.0, math.log(0.9), math.log(0.8)])
+        tree.sources = torch.tensor(sources)
+        proposer.feedback(tree, Verdict(torch.tensor(accepted), 7))
+    for _ in range(30):  # the draft proposes exactly the chain, and both are accepted
+        cycle([0, DRAFT | LOOKUP, DRAFT | LOOKUP], [0, 1, 2])
+    assert proposer.reach_probability() == pytest.approx(prior)
+    for _ in range(30):  # where the chain misses at once, the draft's own tokens are rejected
+        cycle([0, DRAFT, DRAFT], [0])
+    assert proposer.reach_probability()[0] < 0.1
+    for _ in range(30):  # ... or accepted
+        cycle([0, DRAFT, DRAFT], [0, 1, 2])
+    assert proposer.reach_probability()[1] > 0.8
+
 def make(tiny, costs, method="jakiro", budget=TreeBudget(4, 3, 12), name="adaptive-draft", **overrides):
     root, target, tok, prompts, reference = tiny
     draft = random_draft(root, target, method, overrides, name)

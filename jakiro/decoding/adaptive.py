@@ -14,7 +14,9 @@ request's current length (the draft's including the positions it must catch up o
 target's as it runs right after a proposal), and drafting must beat not drafting by a margin;
 the drafted tree is then cut to the k best nodes maximising
 (1 + sum of their calibrated acceptance) / t(k + 1). With prompt lookup, depth i counts as
-reached when the draft or the lookup chain gets there, and the chain alone is the option to beat;
+reached when the draft or the lookup chain gets there, the draft's chance being estimated on the
+cycles where the chain had not (a draft that proposes what the chain already holds adds nothing),
+and the chain alone is the option to beat;
 the chain's chances are kept apart by the length of the n-gram match that found it (a chain
 found by one matching token is right far less often than one found by three).
 While plain steps win, a probe after 4, 8, 16 ... plain steps drafts one level and verifies its
@@ -265,14 +267,18 @@ class AdaptiveProposer(Proposer):
             out.append(p)
         return out
 
-    def _count(self, depth: int, reached: int) -> None:
+    def _count(self, depth: int, reached: int, covered: int = 0) -> None:
         """One drafted cycle (or probe) whose tree reached ``depth`` and whose accepted path the
-        draft carried ``reached`` deep: level i was tried if level i - 1 was reached. Earlier
-        cycles fade by FORGET."""
+        draft carried ``reached`` deep: level i was tried if level i - 1 was reached. Levels the
+        lookup chain carried the path through anyway (``covered``) say nothing of what drafting
+        adds, so only the levels below them count: the estimate is the draft's chance where the
+        chain has failed (a draft that merely repeats the chain is worth nothing beside it).
+        Earlier cycles fade by FORGET."""
         self.tried.mul_(FORGET)
         self.reached.mul_(FORGET)
-        self.tried[1:min(depth, reached + 1) + 1] += 1
-        self.reached[1:min(depth, reached) + 1] += 1
+        first = covered + 1
+        self.tried[first:min(depth, reached + 1) + 1] += 1
+        self.reached[first:min(depth, reached) + 1] += 1
 
     def lookup_reach(self, length: int, ngram: int | None = None) -> torch.Tensor:
         """P(the lookup chain's first i tokens all match), i = 1..length, for a chain found by an
@@ -436,8 +442,8 @@ class AdaptiveProposer(Proposer):
             # how deep the draft's own nodes carried the accepted path (lookup-only nodes do not
             # count: they would keep a draft that adds nothing to the chain drafting)
             on_draft = ((sources[accepted[1:]] & DRAFT) > 0).tolist() + [False]
-            reached = on_draft.index(False)
-            self._count(depth, reached)
+            on_chain = ((sources[accepted[1:]] & LOOKUP) > 0).tolist() + [False]
+            self._count(depth, on_draft.index(False), covered=on_chain.index(False))
 
     def _lookup_feedback(self, tree: Tree, verdict) -> None:
         """Score the lookup chain against the tokens this cycle committed, position by position
