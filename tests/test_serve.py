@@ -310,7 +310,32 @@ def test_metrics_are_prometheus_text(server, client):
         assert f"# TYPE {name.removesuffix('_total')}" in text, name
     assert metric(server, "jakiro_generated_tokens_total") >= 4
     assert 'jakiro_acceptance_rate{depth="1"}' in text
+    tried = metric(server, 'jakiro_draft_depth_tried{depth="1"}')
+    assert 0 <= metric(server, 'jakiro_draft_depth_accepted{depth="1"}') <= tried
     assert metric(server, "jakiro_target_forwards_total") >= 1
+
+
+def test_depth_series_exist_before_any_drafted_cycle():
+    """A scrape before the first request (or while cost-aware drafting backs off) shows every depth
+    the engine's trees can reach, with nothing tried and no rate yet."""
+    from jakiro.decoding.engine import Metrics
+    from jakiro.serve.metrics import ServerMetrics
+
+    m = ServerMetrics(draft_depth=3)
+    text = m.render().decode()
+    for d in (1, 2, 3):
+        assert f'jakiro_draft_depth_tried{{depth="{d}"}} 0.0' in text
+        assert f'jakiro_acceptance_rate{{depth="{d}"}} NaN' in text
+    assert 'depth="4"' not in text
+
+    class Done:  # a finished request whose one drafted cycle accepted the depth-1 token only
+        metrics = Metrics(new_tokens=2, target_forwards=1, committed=2)
+    Done.metrics.record_cycle(tree_depth=3, accept_length=1)
+    m.record(Done)
+    text = m.render().decode()
+    assert 'jakiro_acceptance_rate{depth="1"} 1.0' in text
+    assert 'jakiro_acceptance_rate{depth="2"} 0.0' in text
+    assert 'jakiro_acceptance_rate{depth="3"} NaN' in text
 
 
 def test_serve_command_starts_answers_and_stops():

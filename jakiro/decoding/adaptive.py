@@ -221,6 +221,7 @@ class AdaptiveProposer(Proposer):
         self.name = inner.name + ("+pld" if lookup else "") if inner else lookup.name
         self.needs_features = inner is not None
         self.max_depth = inner.budget.depth if inner else 0
+        self.max_tree_depth = max(self.max_depth, lookup.num_tokens if lookup else 0)
         self.start_stats()
 
     # ------------------------------------------------------------------ request state

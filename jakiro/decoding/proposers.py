@@ -19,6 +19,7 @@ class Proposer:
     name = "ar"
     needs_features = False
     max_tree_tokens = 1  # the most nodes (root included) a proposed tree can have
+    max_tree_depth = 0  # the deepest draft level a proposed tree can reach
 
     def start(self, max_len: int) -> None:
         """Prepare for a request whose sequence will not exceed ``max_len`` tokens."""
@@ -44,7 +45,7 @@ class PromptLookupProposer(Proposer):
         if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError("prompt lookup needs num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
-        self.max_tree_tokens = num_tokens + 1
+        self.max_tree_tokens, self.max_tree_depth = num_tokens + 1, num_tokens
         self._indexed: list[int] = []  # the context the index covers
         self._latest: dict[tuple, int] = {}  # n-gram -> start of its latest occurrence with a continuation
 
@@ -155,7 +156,7 @@ class DraftProposer(Proposer):
         if static is not None and self.parallel:
             # the contrastive branch of a node's forward predicts the children of its best child only
             self.parallel = all(p[-2] == 0 for p in static.at_depth(static.depth))
-        self.max_tree_tokens = budget.total_tokens + 1
+        self.max_tree_tokens, self.max_tree_depth = budget.total_tokens + 1, budget.depth
         self.head_vocab = head_vocab
         self.cache = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []

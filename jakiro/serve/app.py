@@ -66,7 +66,7 @@ class _Service:
         template = getattr(self.tokenizer, "chat_template", None) or ""
         self.template_has_tools = isinstance(template, str) and "tool_calls" in template
         self.cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jakiro-encode")
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(self.engine.proposer.max_tree_depth)
         self.scheduler = Scheduler(self.engine, max_queue, on_done=self.metrics.record,
                                    on_cancel=self.metrics.cancelled.inc)
         self.metrics.track_queue(self.scheduler)

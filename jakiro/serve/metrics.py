@@ -15,7 +15,10 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, draft_depth: int = 0):
+        """``draft_depth``: the deepest level the engine's trees can reach; the per-depth series
+        exist from the start for depths 1..draft_depth (a scrape before any drafted cycle, or
+        while cost-aware drafting backs off, still shows them)."""
         disable_created_metrics()  # no *_created series (process-wide): they only add noise to scrapes
         self.registry = CollectorRegistry()
         r = self.registry
@@ -31,6 +34,8 @@ class ServerMetrics:
                                  buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
         self._lock = threading.Lock()
         self._total = Metrics()  # every finished request since start
+        self._total.depth_tried = [0] * draft_depth
+        self._total.depth_accepted = [0] * draft_depth
         r.register(_Derived(self))
 
     def track_queue(self, scheduler) -> None:
@@ -66,11 +71,12 @@ class _Derived:
         t = GaugeMetricFamily("jakiro_draft_depth_tried", "decode cycles whose accepted path reached "
                               "this draft depth's candidates", labels=["depth"])
         a = GaugeMetricFamily("jakiro_draft_depth_accepted", "... and accepted a token there", labels=["depth"])
-        rate = GaugeMetricFamily("jakiro_acceptance_rate", "accepted / tried per draft depth", labels=["depth"])
+        rate = GaugeMetricFamily("jakiro_acceptance_rate", "accepted / tried per draft depth (NaN before "
+                                 "a cycle tried that depth)", labels=["depth"])
         for d, (n, k) in enumerate(zip(tried, acc)):
             t.add_metric([str(d + 1)], n)
             a.add_metric([str(d + 1)], k)
-            rate.add_metric([str(d + 1)], k / n if n else 0.0)
+            rate.add_metric([str(d + 1)], k / n if n else float("nan"))
         yield t
         yield a
         yield rate
