@@ -381,6 +381,35 @@ def test_init_from_another_draft_starts_from_its_weights(tmp_path, tiny_setup):
     assert torch.equal(weights(fourth)["fc.weight"], weights(first)["fc.weight"])
 
 
+def test_jakiro_upcycled_from_an_eagle2_draft_drafts_as_it_does(tmp_path, tiny_setup):
+    """--init-from an eagle2 draft for a jakiro run: shared layers copied, every expert a copy of
+    the dense MLP, so every expert (and the blend) proposes what the dense draft proposes; a
+    draft of another vocabulary size is refused, and the run then trains the experts apart."""
+    target, data = tiny_setup
+    dense = Trainer(config(tmp_path / "dense", data, method="eagle2", unroll=1), target, progress=False)
+    dense.run()
+    up = Trainer(config(tmp_path / "up", data, unroll=1, init_from=str(tmp_path / "dense")), target,
+                 progress=False)
+    for k, v in weights(dense).items():
+        w = weights(up)[k]
+        assert torch.equal(w, v.expand_as(w)), k  # gate_up/down: one copy per expert
+    ids, _, feats = up.ds.record(up.eval_idx[0])
+    ids, feats, pos = ids[None], feats[None].float(), torch.arange(len(ids) - 1)
+    with torch.no_grad():
+        a = dense.model.eval()(feats[:, :-1], ids[:, 1:], pos)
+        b = up.model.eval()(feats[:, :-1], ids[:, 1:], pos)
+    for e in range(b.features.shape[-2]):
+        torch.testing.assert_close(b.features[..., e, :], a.blend, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.blend, a.blend, rtol=1e-5, atol=1e-5)
+    assert up.evaluate()["top1"][0] == pytest.approx(dense.evaluate()["top1"][0])
+    with pytest.raises(JakiroError, match="cannot upcycle: .* draft vocabulary 64"):
+        Trainer(config(tmp_path / "other", data, unroll=1, draft_vocab_size=32, init_from=str(tmp_path / "dense")),
+                target, progress=False)
+    up.run()
+    g = weights(up)["gate_up"]
+    assert not torch.equal(g[0], g[1])
+
+
 def test_warmup_beyond_steps_and_resume_beyond_steps_are_refused(tmp_path, tiny_setup):
     target, data = tiny_setup
     with pytest.raises(JakiroError, match="--warmup 6 must be below --steps 6"):

@@ -101,7 +101,9 @@ class TrainConfig:
                                         "toward the same target; reference = blend and contrastive only",
                             choices=JAKIRO_LOSSES)
     init_from: str | None = _opt(None, "start from this draft's weights (same method and shape), e.g. to "
-                                       "continue a single-step run with --unroll 4", metavar="DRAFT")
+                                       "continue a single-step run with --unroll 4; a jakiro run may start "
+                                       "from an eagle2 draft (every expert a copy of its MLP)",
+                                 metavar="DRAFT")
     eval_every: int = _opt(200, "held-out metrics every N steps")
     eval_records: int = _opt(32, "held-out records (the dataset's last ones, at most 5 %%)")
     eval_steps: int = _opt(4, "draft steps evaluated")

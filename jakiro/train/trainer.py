@@ -88,6 +88,29 @@ def _upgrade_identity(previous: dict, current: dict) -> dict:
     return upgraded
 
 
+def upcycle(model, dense) -> None:
+    """A Jakiro draft from an EAGLE-2 draft of the same width ("sparse upcycling"): the fusion
+    layer, attention and norms are the dense draft's, every expert starts as a copy of its MLP
+    and the routers keep their fresh initialisation. The first activated expert then drafts as
+    well as the dense draft from the first step, and training has only to make the experts
+    differ (the second expert's and the contrastive branch's losses), instead of learning the
+    whole draft again at a Jakiro step's price."""
+    c, dc = model.config, dense.config
+    if (c.intermediate_size, c.draft_vocab_size) != (dc.intermediate_size, dc.draft_vocab_size):
+        raise JakiroError(f"cannot upcycle: the EAGLE-2 draft has MLP width {dc.intermediate_size} and "
+                          f"draft vocabulary {dc.draft_vocab_size}, this Jakiro draft {c.intermediate_size} "
+                          f"and {c.draft_vocab_size}")
+    state = dense.state_dict()
+    with torch.no_grad():
+        for name in ("gate_up", "down"):
+            state[name] = state[name].expand(c.num_experts, *state[name].shape[1:]).clone()
+        own = model.state_dict()
+        for name in ("router.weight", "con_router.weight"):
+            if name in own:
+                state[name] = own[name]
+    model.load_state_dict(state)
+
+
 def heldout_split(parts: int | list[int], eval_records: int) -> tuple[list[int], list[int]]:
     """(training, held-out) record indices: of each part (the records of one dataset folder, in
     order), the last ``eval_records`` records, at most 5 %, are held out."""
@@ -238,9 +261,13 @@ class Trainer:
             json.dump(self._run_identity(), f, indent=2)
 
     def _init_from(self, path: str, target) -> None:
-        """Start from another draft's weights (e.g. single-step training continued unrolled)."""
+        """Start from another draft's weights (e.g. single-step training continued unrolled), or
+        a Jakiro draft from an EAGLE-2 one (``upcycle``)."""
         init = load_draft(path, target)  # checks it fits the target (width, vocabulary)
         mine, theirs = self.draft_config.to_json_dict(), init.config.to_json_dict()
+        if self.cfg.method == "jakiro" and init.config.method == "eagle2":
+            upcycle(self.model, init)
+            return
         # the target's name carries the conversion cache's folder hash, which differs between
         # machines for the same model: the shape check above is what matters
         diff = sorted(k for k in set(mine["jakiro"]) | set(theirs["jakiro"])
