@@ -290,6 +290,31 @@ def test_task_prompts_rotate_over_usable_texts_and_keep_positions():
     assert list(task_conversations(source)) == out  # the same sequence every time
 
 
+def test_later_passages_make_their_own_task_sequence():
+    """sharegpt-tasks-N works on each conversation's N-th passage: conversations with fewer give
+    None (positions stay countable), translations stay with the first passage, and the first
+    passage's sequence is unchanged by the others."""
+    from jakiro.data.tasks import task_conversations
+    other = PASSAGE.replace("harbour town", "mountain village")
+    german = ("Ich habe eine Frage zu meinem Vertrag. Die Firma hat mir nicht gesagt, dass die "
+              "Kündigungsfrist drei Monate ist, und ich möchte wissen, ob das für mich gilt und was ich tun kann.")
+    two = _conversation("Tell me about the town.", PASSAGE) + _conversation("And the village?", other)
+    source = [two, _conversation("Only one?", PASSAGE), _conversation(german, "Ja.") + _conversation("Noch?", other),
+              two]
+    first = list(task_conversations(source))
+    second = list(task_conversations(source, passage=2))
+    assert [o is None for o in second] == [False, True, True, False]
+    assert other in second[0][0]["content"] and PASSAGE not in second[0][0]["content"]
+    # the rotation starts one kind on: answer from the passage, then extract
+    assert second[0][0]["content"].startswith("Answer the question using only the passage")
+    assert second[0][0]["content"].endswith("Question: And the village?")
+    assert second[3][0]["content"].startswith("Extract every name")
+    assert first[0][0]["content"].startswith("Summarize the following text") and PASSAGE in first[0][0]["content"]
+    assert first == list(task_conversations(source, passage=1))
+    with pytest.raises(ValueError, match="1..5"):
+        list(task_conversations(source, passage=6))
+
+
 def test_foreign_text_detection():
     from jakiro.data.tasks import is_foreign
     assert is_foreign("这是一个关于机器学习的问题，请帮我解释一下梯度下降的原理和应用场景。谢谢你的帮助！")
@@ -305,6 +330,12 @@ def test_task_source_needs_regeneration():
     with pytest.raises(JakiroError, match="prompts only"):
         DataConfig(None, source="sharegpt-tasks").check()
     DataConfig(None, source="sharegpt-tasks", regenerate="greedy").check()
+    with pytest.raises(JakiroError, match="sharegpt-tasks-3 holds prompts only"):
+        DataConfig(None, source="sharegpt-tasks-3").check()
+    DataConfig(None, source="sharegpt-tasks-5", regenerate="greedy").check()
+    for name in ("sharegpt-tasks-1", "sharegpt-tasks-6", "sharegpt-tasks-x"):  # no such source (nor file)
+        with pytest.raises(JakiroError, match=f"dataset not found: {name}"):
+            DataConfig(None, source=name, regenerate="greedy").check()
 
 
 def test_task_source_reads_the_installed_sharegpt_package():

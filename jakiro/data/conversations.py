@@ -12,6 +12,19 @@ from typing import Iterator
 from ..errors import JakiroError
 
 TASKS_SOURCE = "sharegpt-tasks"
+
+
+def task_passage(source: str) -> int | None:
+    """Which passage of each ShareGPT conversation a task source works on: 'sharegpt-tasks' 1,
+    'sharegpt-tasks-N' N (2 .. tasks.MAX_PASSAGE); None for any other source."""
+    from .tasks import MAX_PASSAGE
+    if source == TASKS_SOURCE:
+        return 1
+    prefix = TASKS_SOURCE + "-"
+    if source.startswith(prefix) and source[len(prefix):].isdigit() \
+            and 2 <= int(source[len(prefix):]) <= MAX_PASSAGE:
+        return int(source[len(prefix):])
+    return None
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
             "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
 
@@ -84,9 +97,10 @@ def iter_conversations(source: str, skipped: list[int] | None = None) -> Iterato
         for obj in iter_json_array(sharegpt_path()):
             yield normalise(obj)
         return
-    if source == TASKS_SOURCE:  # task prompts built from ShareGPT's texts (``data.tasks``)
+    passage = task_passage(source)
+    if passage is not None:  # task prompts built from ShareGPT's texts (``data.tasks``)
         from .tasks import task_conversations
-        yield from task_conversations(normalise(obj) for obj in iter_json_array(sharegpt_path()))
+        yield from task_conversations((normalise(obj) for obj in iter_json_array(sharegpt_path())), passage)
         return
     if not os.path.exists(source):
         raise JakiroError(f"dataset not found: {source}")

@@ -10,6 +10,10 @@ translation), one task per usable conversation in a fixed rotation, so that the 
 same package and the sequence is the same on every machine. The answers come from the target
 (``jakiro data --source sharegpt-tasks --regenerate greedy``); the prompts pass the same
 evaluation filter as every other source.
+
+A conversation often holds several such passages: ``sharegpt-tasks`` works on the first,
+``sharegpt-tasks-N`` (N = 2 .. MAX_PASSAGE) on the N-th, each in its own fixed sequence, so that
+the sources can be regenerated one after another without changing what an earlier one holds.
 """
 
 from __future__ import annotations
@@ -80,13 +84,21 @@ def _passage(text: str) -> str | None:
     return text.strip()
 
 
-def task_conversations(conversations: Iterable[list[dict] | None]) -> Iterator[list[dict] | None]:
+MAX_PASSAGE = 5
+
+
+def task_conversations(conversations: Iterable[list[dict] | None], passage: int = 1
+                       ) -> Iterator[list[dict] | None]:
     """One task conversation (a user prompt and a placeholder answer for the target to replace)
     per source conversation that has a usable text, else None (positions stay countable). The
-    task kind rotates over the usable conversations; templates rotate within a kind."""
+    task kind rotates over the usable conversations; templates rotate within a kind.
+    ``passage``: work on the conversation's N-th usable passage (translations, made from the
+    first user turn, belong to the first)."""
+    if not 1 <= passage <= MAX_PASSAGE:
+        raise ValueError(f"task passage must be in 1..{MAX_PASSAGE}, got {passage}")
     used = 0
     for messages in conversations:
-        prompt = None if messages is None else _task_prompt(messages, used)
+        prompt = None if messages is None else _task_prompt(messages, used, passage)
         if prompt is None:
             yield None
             continue
@@ -94,19 +106,25 @@ def task_conversations(conversations: Iterable[list[dict] | None]) -> Iterator[l
         yield [{"role": "user", "content": prompt}, {"role": "assistant", "content": ANSWER_PLACEHOLDER}]
 
 
-def _task_prompt(messages: list[dict], used: int) -> str | None:
+def _task_prompt(messages: list[dict], used: int, nth: int = 1) -> str | None:
     first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
     if is_foreign(first_user) and _words(first_user) <= MAX_WORDS and len(first_user) >= 40:
+        if nth > 1:
+            return None
         template = TRANSLATE[used % len(TRANSLATE)]
         return template.format(passage=first_user.strip())
+    seen = 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant" or i == 0:
             continue
         passage = _passage(m["content"])
         if passage is None or is_foreign(passage):
             continue
+        seen += 1
+        if seen < nth:
+            continue
         question = messages[i - 1]["content"].strip()
-        kind = KINDS[used % len(KINDS)]
+        kind = KINDS[(used + nth - 1) % len(KINDS)]  # a later passage starts the rotation one kind on
         if kind == "answer" and (_words(question) > 60 or not question):
             kind = "summarise"
         templates = {"summarise": SUMMARISE, "answer": ANSWER, "extract": EXTRACT, "rewrite": REWRITE}[kind]

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from ..errors import JakiroError
-from ..data.conversations import TASKS_SOURCE
+from ..data.conversations import task_passage
 
 STEP_DECAY = 0.8
 JAKIRO_LOSSES = ("separate", "full", "reference")
@@ -29,7 +29,8 @@ class DataConfig:
     target: str | None
     source: str = _opt("sharegpt", "'sharegpt' (the installed package), 'sharegpt-tasks' (summarise / answer "
                                    "from a passage / extract / rewrite / translate prompts built from ShareGPT's "
-                                   "texts; needs --regenerate) or a JSONL file of {'conversations': "
+                                   "texts; needs --regenerate; 'sharegpt-tasks-2' .. '-5' work on each "
+                                   "conversation's 2nd .. 5th passage) or a JSONL file of {'conversations': "
                                    "[{from, value}]} or {'messages': [{role, content}]}, optionally .gz")
     max_records: int = _opt(1000, "conversations to build (counting from --first-record)")
     first_record: int = _opt(0, "skip this many records at the start of the source, usable or not (to "
@@ -55,14 +56,14 @@ class DataConfig:
             raise JakiroError(f"--sample-share must be in [0, 1], got {self.sample_share}")
         if self.regenerate not in ("none", "greedy", "sample"):
             raise JakiroError(f"unknown regeneration mode {self.regenerate!r}; choose none, greedy or sample")
-        if self.source == TASKS_SOURCE and self.regenerate == "none":
-            raise JakiroError(f"--source {TASKS_SOURCE} holds prompts only: add --regenerate greedy (or sample)")
+        if task_passage(self.source) is not None and self.regenerate == "none":
+            raise JakiroError(f"--source {self.source} holds prompts only: add --regenerate greedy (or sample)")
         if self.first_record < 0:
             raise JakiroError(f"--first-record must be >= 0, got {self.first_record}")
         if self.first_record and self.regenerate != "none":
             raise JakiroError("--first-record applies to a source read as it is; with --regenerate, "
                               "--max-records already continues the regenerated file")
-        if self.source not in ("sharegpt", TASKS_SOURCE) and not os.path.isfile(self.source):
+        if self.source != "sharegpt" and task_passage(self.source) is None and not os.path.isfile(self.source):
             raise JakiroError(f"dataset not found: {self.source}")
 
     def regen_settings(self):
