@@ -72,7 +72,7 @@ class Jakiro:
                 from .decoding.adaptive import AdaptiveProposer
                 proposer = AdaptiveProposer(None, self.target, lookup=proposer)
         else:
-            from .draft.tuning import load_tuning
+            from .draft.tuning import DEFAULT_TREE_KEY, default_tree, load_tuning
             from .draft import load_draft
             draft = draft or shipped_draft(method)
             if draft is None:
@@ -83,7 +83,10 @@ class Jakiro:
             explicit = budget is not None or static is not None
             if budget is None and static is None:
                 record = load_tuning(draft, cache_dir, quantized=self.target.quantized_matrices > 0)
-                tuned = record["best"] if record else None
+                # no record for this machine: the tree the draft's config recommends, if any
+                tuned = record["best"] if record else default_tree(draft)
+                if record is None and tuned is not None:
+                    record = {"path": os.path.join(draft, "config.json") + f" ({DEFAULT_TREE_KEY})"}
                 budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
                 if tuned and parallel_decoding is None:
                     parallel_decoding = tuned.get("parallel_decoding")

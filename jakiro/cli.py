@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(u)
     u.add_argument("--draft", help="draft folder (default: the shipped jakiro draft)")
     u.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")
+    u.add_argument("--save-default", action="store_true",
+                   help="also write the chosen tree into the draft's config.json as its default tree, "
+                        "used on machines that have not tuned it (for shipping a draft)")
     return parser
 
 
@@ -381,6 +384,11 @@ def cmd_tune(args) -> int:
     result = run_tune(draft, args.target, args.cache_dir, args.max_new_tokens)
     print(json.dumps({k: result.get(k) for k in ("best", "complete", "ar_tokens_per_s", "forward_ms", "saved_to",
                                                  "threads")}, indent=2))
+    if args.save_default and result.get("complete"):
+        from .draft.tuning import save_default_tree
+        save_default_tree(draft, result["best"], f"chosen by `jakiro tune` with {result['threads']} threads "
+                          f"on {result['measured_at'][:10]}")
+        print(f"jakiro: saved as the default tree of {draft}", file=sys.stderr)
     if result.get("interrupted"):
         print("jakiro: tuning interrupted; the best tree measured so far is saved and used "
               "(rerun `jakiro tune` to finish)", file=sys.stderr)

@@ -131,6 +131,48 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
                                                                           quantized=True)
 
 
+def test_a_drafts_default_tree_applies_where_this_machine_has_not_tuned_it(tmp_path, tiny_chat_target, tiny_draft):
+    """`jakiro tune --save-default` writes the chosen tree into config.json; a machine without a
+    tune record for the draft uses it (a record of its own, or explicit options, win), and a
+    malformed one is refused with the file named."""
+    import jakiro
+    from jakiro.cli import main
+    from jakiro.draft.tuning import default_tree, save_default_tree
+    draft = str(shutil.copytree(tiny_draft, tmp_path / "draft"))
+    cache = str(tmp_path / "cache")
+    assert default_tree(draft) is None
+    save_default_tree(draft, {"depth": 3, "top_k": 1, "total_tokens": 3, "draft_vocab": 64,
+                              "parallel_decoding": False, "tokens_per_s": 1.0}, "test")
+    assert default_tree(draft) == {"depth": 3, "top_k": 1, "total_tokens": 3, "draft_vocab": 64,
+                                   "parallel_decoding": False}
+    engine = jakiro.load(tiny_chat_target, draft, cache_dir=cache).engine()
+    proposer = engine.proposer.inner
+    assert (proposer.budget.depth, proposer.budget.top_k, proposer.budget.total_tokens) == (3, 1, 3)
+    assert proposer.head_vocab == 64 and proposer.parallel is False
+    assert engine.tuned.endswith("config.json (default_tree)")
+    assert jakiro.load(tiny_chat_target, draft, depth=5, cache_dir=cache).engine().proposer.budget.depth == 5
+    # the draft still loads as a draft (the extra key is no model setting)
+    assert jakiro.load(tiny_chat_target, draft, cache_dir=cache).engine().proposer.inner.draft.config.method == "jakiro"
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    cfg["default_tree"] = {"depth": 0, "top_k": 1, "total_tokens": 3}
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(JakiroError, match=r"config.json: default_tree must give positive integers"):
+        jakiro.load(tiny_chat_target, draft, cache_dir=cache)
+    # tune --save-default: the record for this machine, and the draft's default
+    cfg.pop("default_tree")
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(cfg))
+    from jakiro.bench import tune
+    saved = (tune.CHAINS, tune.TREES)
+    tune.CHAINS, tune.TREES = [(2, 1, 2)], []
+    try:
+        assert main(["tune", "--target", tiny_chat_target, "--draft", draft, "--cache-dir", cache,
+                     "--max-new-tokens", "8", "--save-default"]) == 0
+    finally:
+        tune.CHAINS, tune.TREES = saved
+    assert default_tree(draft)["depth"] == 2 and default_tree(draft)["top_k"] == 1
+    assert jakiro.load(tiny_chat_target, draft, cache_dir=cache).engine().tuned.endswith(".json")
+
+
 def test_interrupted_tune_keeps_the_best_tree_so_far(tmp_path, tiny_chat_target, tiny_draft, monkeypatch):
     import jakiro
     from jakiro.bench import tune

@@ -49,3 +49,41 @@ def load_tuning(draft: str, cache: str | None = None, quantized: bool | None = N
         raise JakiroError(f"unreadable tuning file {path} for {draft}: {exc}") from None
     record["path"] = path
     return record
+
+
+DEFAULT_TREE_KEY = "default_tree"
+_TREE_FIELDS = ("depth", "top_k", "total_tokens", "draft_vocab", "parallel_decoding")
+
+
+def default_tree(draft: str | None) -> dict | None:
+    """The tree a draft's ``config.json`` recommends where this machine has no ``jakiro tune``
+    record for it (``jakiro tune --save-default`` writes it: the tree tuned on the machine the
+    draft was made on), or None."""
+    if draft is None or not os.path.exists(os.path.join(draft, "config.json")):
+        return None
+    path = os.path.join(draft, "config.json")
+    try:
+        with open(path) as f:
+            tree = json.load(f).get(DEFAULT_TREE_KEY)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise JakiroError(f"cannot read draft config {path}: {exc}") from None
+    if tree is None:
+        return None
+    ints = ("depth", "top_k", "total_tokens")
+    if (not isinstance(tree, dict) or any(not isinstance(tree.get(k), int) or tree[k] < 1 for k in ints)
+            or not (tree.get("draft_vocab") is None or (isinstance(tree["draft_vocab"], int) and tree["draft_vocab"] > 0))
+            or tree.get("parallel_decoding") not in (None, True, False)):
+        raise JakiroError(f"{path}: {DEFAULT_TREE_KEY} must give positive integers depth, top_k, total_tokens "
+                          f"(and optionally draft_vocab, parallel_decoding true/false), got {tree!r}")
+    return {k: tree.get(k) for k in _TREE_FIELDS}
+
+
+def save_default_tree(draft: str, best: dict, note: str) -> None:
+    """Write ``best`` (a tune record's choice) into the draft's config.json as its default tree."""
+    path = os.path.join(draft, "config.json")
+    with open(path) as f:
+        data = json.load(f)
+    data[DEFAULT_TREE_KEY] = {**{k: best.get(k) for k in _TREE_FIELDS}, "note": note}
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(path + ".tmp", path)
