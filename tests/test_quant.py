@@ -165,6 +165,34 @@ def test_default_target_quantized_decoding_steps_match_float32(smol):
     assert weight_bytes(model) < weight_bytes(smol.target) / 4  # Q4_1 layers and a Q8_0 head
 
 
+@needs_tiles
+def test_prompts_run_the_tile_kernel_in_pieces(smol):
+    """With the AMX kernel a prompt of up to CHUNKED_PREFILL_MAX tokens (forward(chunked=True), as
+    decoding prefills) runs through the one-call stack in pieces of SMALL_ROWS: the features are
+    bitwise those of feeding the tokens one at a time, within float32 accuracy of the float32
+    weights on oneDNN (features 1e-4; logits, ~25 in size, 1e-5 of that), with the same greedy
+    token everywhere."""
+    from jakiro.models.target import CHUNKED_PREFILL_MAX, TargetModel
+    model = smol.target
+    assert model.tile_matrices > 0
+    reference = TargetModel.from_folder(smol.target_path, quantized=False)
+    ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome. " * 8))
+    assert SMALL_ROWS * 2 < len(ids) <= CHUNKED_PREFILL_MAX
+    cache = model.new_cache(len(ids))
+    logits, feats = model(ids, cache, chunked=True)
+    one = model.new_cache(len(ids))
+    singles = []
+    for i in range(len(ids)):
+        singles.append(model(ids[i:i + 1], one)[1])
+        one.commit(1)
+    assert torch.equal(feats, torch.cat(singles))
+    ref_logits, ref_feats = reference(ids, reference.new_cache(len(ids)))
+    torch.testing.assert_close(feats, ref_feats, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, atol=5e-4, rtol=1e-5)
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+    assert torch.equal(model(ids, model.new_cache(len(ids)))[1], ref_feats)  # by default a prompt runs oneDNN
+
+
 def test_q8_0_rounding_of_runtime_weights():
     weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
     weight[3, 32:64] = 0  # an all-zero block

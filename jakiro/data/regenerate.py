@@ -224,7 +224,7 @@ class Regenerator:
         keep = min(_common_prefix(conv.fed, ids), len(ids) - 1)
         slot = cache.slot(b)
         slot.length = keep
-        logits, features = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None))
+        logits, features = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None), chunked=True)
         if self.slot_features is not None:
             self.slot_features[b, keep:len(ids)] = features.to(torch.float16)
         cache.set_length(b, len(ids))

@@ -195,7 +195,7 @@ class Engine:
         target, proposer = self.target, self.proposer
         cache = target.new_cache(len(ids) + max_new_tokens, scratch=proposer.max_tree_tokens)
         proposer.start(len(ids) + max_new_tokens)
-        logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None))
+        logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None), chunked=True)
         cache.commit(len(ids))
         first = next_token(logits[0], params, generator)
         if proposer.needs_features:
