@@ -63,7 +63,7 @@ class Jakiro:
         name, lookup = method, method.endswith("+pld")
         method = method.removesuffix("+pld")
         proposer: Proposer
-        tuned = record = None
+        tuned = source = None  # the tree chosen for this machine, and where it came from
         if method == "ar":
             proposer = Proposer()
         elif method == "pld":
@@ -83,10 +83,11 @@ class Jakiro:
             explicit = budget is not None or static is not None
             if budget is None and static is None:
                 record = load_tuning(draft, cache_dir, quantized=self.target.quantized_matrices > 0)
-                # no record for this machine: the tree the draft's config recommends, if any
-                tuned = record["best"] if record else default_tree(draft)
-                if record is None and tuned is not None:
-                    record = {"path": os.path.join(draft, "config.json") + f" ({DEFAULT_TREE_KEY})"}
+                if record:
+                    tuned, source = record["best"], record["path"]
+                else:  # no record for this machine: the tree the draft's config recommends, if any
+                    tuned = default_tree(draft)
+                    source = f"{os.path.join(draft, 'config.json')} ({DEFAULT_TREE_KEY})" if tuned else None
                 budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
                 if tuned and parallel_decoding is None:
                     parallel_decoding = tuned.get("parallel_decoding")
@@ -99,7 +100,7 @@ class Jakiro:
                 from .decoding.adaptive import AdaptiveProposer
                 proposer = AdaptiveProposer(proposer, self.target, adaptive=adaptive and not explicit,
                                             lookup=PromptLookupProposer(num_tokens=pld_tokens) if lookup else None)
-        engine = Engine(self.target, self.tokenizer, proposer, tuned=record["path"] if tuned else None)
+        engine = Engine(self.target, self.tokenizer, proposer, tuned=source)
         self.engines[name] = engine
         return engine
 
