@@ -49,12 +49,13 @@ class Jakiro:
     def add_method(self, method: str, draft: str | None = None, budget: TreeBudget | None = None,
                    candidate_mode: str | None = None, parallel_decoding: bool | None = None,
                    pld_tokens: int = 6, cache_dir: str | None = None, adaptive: bool = True,
-                   tree: str | None = None) -> Engine:
+                   tree: str | None = None, prompt_vocab: bool = True) -> Engine:
         """Set up ``method``. Without an explicit ``budget`` a draft uses the tree saved by
         ``jakiro tune`` for it, else the default tree. With ``adaptive`` (the default, for drafts
         without an explicit budget or static tree: the user's tree wins) each cycle drafts only
         what pays on this machine (``decoding.adaptive``). ``tree``: ``static:NAME|PATH``, a
-        static (EAGLE-1) tree instead of the dynamic one."""
+        static (EAGLE-1) tree instead of the dynamic one. ``prompt_vocab`` (default on): a draft
+        also scores the tokens of each request's prompt that its vocabulary lacks."""
         check_method_options(method, budget, tree)
         static = None
         if tree is not None:
@@ -93,7 +94,8 @@ class Jakiro:
                     parallel_decoding = tuned.get("parallel_decoding")
             try:
                 proposer = DraftProposer(model, budget or TreeBudget(), candidate_mode, parallel_decoding, static,
-                                         head_vocab=tuned.get("draft_vocab") if tuned else None)
+                                         head_vocab=tuned.get("draft_vocab") if tuned else None,
+                                         prompt_vocab=prompt_vocab)
             except ValueError as exc:
                 raise JakiroError(str(exc)) from None
             if (adaptive and not explicit) or lookup:
@@ -142,12 +144,13 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
          depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
          candidate_mode: str | None = None, parallel_decoding: bool | None = None,
          cache_dir: str | None = None, adaptive: bool = True, tree: str | None = None,
-         quantized: bool | None = None) -> Jakiro:
+         quantized: bool | None = None, prompt_vocab: bool = True) -> Jakiro:
     """Load a target (default: SmolLM2-135M-Instruct) and set up ``method`` (default: the draft's
     method when a draft is given, else plain decoding). ``adaptive=False`` keeps the draft's
     fixed tree every cycle; ``tree="static:eagle1"`` (a preset or a JSON file of paths) drafts a
     static tree. ``quantized`` (default: on unless ``JAKIRO_QUANTIZED=0``): a target converted from a GGUF
-    file streams its quantized blocks in decoding steps and trees (``models.quant``)."""
+    file streams its quantized blocks in decoding steps and trees (``models.quant``).
+    ``prompt_vocab=False``: a draft scores only its own vocabulary, not also the prompt's tokens."""
     from .models.hub import resolve_target
     from .models.target import TargetModel
 
@@ -161,6 +164,6 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     model = TargetModel.from_folder(path, quantized=quantized)
     jk = Jakiro(model, load_tokenizer(path), path)
     jk.add_method(method, draft, budget, candidate_mode, parallel_decoding,
-                  cache_dir=cache_dir, adaptive=adaptive, tree=tree)
+                  cache_dir=cache_dir, adaptive=adaptive, tree=tree, prompt_vocab=prompt_vocab)
     jk.default_method = method
     return jk

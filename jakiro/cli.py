@@ -77,6 +77,9 @@ def _add_tree_args(p: argparse.ArgumentParser) -> None:
                    help="drafts: verify the same tree every cycle instead of drafting only what pays "
                         "(explicit --depth/--tree-top-k/--total-tokens also fix the tree); pld: verify the "
                         "whole lookup chain every cycle (the classic prompt lookup)")
+    p.add_argument("--no-prompt-vocab", action="store_true",
+                   help="drafts: score only the draft vocabulary, not also the tokens of the request's "
+                        "prompt that it lacks")
 
 
 def _add_session_args(p: argparse.ArgumentParser) -> None:
@@ -223,7 +226,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)  # validate early
     jk = load(args.target, args.draft, args.method, args.depth, args.tree_top_k, args.total_tokens,
               args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
-              args.tree)
+              args.tree, prompt_vocab=not args.no_prompt_vocab)
     engine = jk.engine()
     stream_out = not args.json
     if args.compare and engine.method != "ar":
@@ -241,6 +244,7 @@ def cmd_generate(args) -> int:
         out["tree"] = {"depth": b.depth, "top_k": b.top_k, "total_tokens": b.total_tokens,
                        "candidate_mode": drafter.mode, "parallel_decoding": drafter.parallel,
                        "draft_vocab": drafter.head_vocab or drafter.draft.config.draft_vocab_size,
+                       "prompt_vocab": drafter.prompt_vocab,
                        "tuned": engine.tuned, "adaptive": getattr(engine.proposer, "adaptive", False),
                        "static": drafter.static.as_list() if drafter.static else None}
     if args.compare and result.method != "ar":
@@ -271,7 +275,7 @@ def _load_for_session(args):
         method = "jakiro" if args.target is None and shipped_draft("jakiro") else "ar"
     return load(args.target, args.draft, method, args.depth, args.tree_top_k, args.total_tokens,
                 args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
-                args.tree)
+                args.tree, prompt_vocab=not args.no_prompt_vocab)
 
 
 def cmd_serve(args) -> int:

@@ -64,6 +64,9 @@ def test_bench_summary_is_consistent_and_plots_are_written(tmp_path, tiny_chat_t
         assert a["target_forwards"] - a["answers"] <= bonuses <= a["target_forwards"], m
     fixed = methods["jakiro-fixed"]["all"]
     assert fixed["plain_steps"] == 0  # the fixed tree drafts every cycle
+    cover = fixed["head_coverage"]  # a 256-token draft vocabulary; the prompt's tokens add to it
+    assert 0 <= cover["draft_vocab"] <= cover["with_prompt"] <= 1
+    assert "head_coverage" not in methods["pld"]["all"]
     assert methods["ar"]["all"]["plain_steps"] == methods["ar"]["all"]["target_forwards"]
     for name in ("summary.json", "summary.md", "speedup.png", "tau.png", "acceptance.png",
                  "answers_ar.jsonl", "answers_jakiro.jsonl"):

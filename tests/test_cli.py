@@ -78,6 +78,16 @@ def test_generate_with_a_static_tree_and_with_lookup_branches():
     out = json.loads(res.stdout)
     assert out["same_as_ar"] is True and out["tree"]["adaptive"] is False
     assert out["tree"]["static"][:4] == [[0], [1], [2], [3]] and len(out["tree"]["static"]) == 25
+    assert out["tree"]["prompt_vocab"] is True
+
+
+def test_generate_with_the_draft_vocabulary_alone():
+    res = run_cli("generate", "--prompt", "Summarize: Zorblax met Quindle at the Vexmoor fair.", "--method",
+                  "eagle2", "--json", "--compare", "--no-adaptive", "--no-prompt-vocab", "--max-new-tokens", "16",
+                  "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["same_as_ar"] is True and out["tree"]["prompt_vocab"] is False
 
 
 def test_generate_with_shipped_jakiro_draft_reports_tree_tau_and_speedup():

@@ -222,6 +222,6 @@ def test_draft_on_a_quantized_target_streams_blocks(smol):
         with torch.inference_mode():
             out = draft(feats, toks, torch.arange(6), cache)
             outs.append(draft.head_logits(out.blend[0], 2048))
-    assert drafts[1]._head_fast[2048].quantized is not None
+    assert drafts[1].head(2048).layer.quantized is not None
     torch.testing.assert_close(outs[1], outs[0], atol=0.3, rtol=0.02)  # logits span ~30
     assert bool((outs[1].argmax(-1) == outs[0].argmax(-1)).all())

@@ -88,9 +88,13 @@ def test_static_trees_greedy_equal_plain(tiny, method, overrides, parallel):
     draft = random_draft(root, target, method, overrides, f"static-{method}-{parallel}")
     for name, paths in TREES.items():
         static = StaticTree(name, validate_paths(paths, name))
-        proposer = DraftProposer(draft, TreeBudget(), parallel_decoding=parallel, static=static)
-        assert_same(Engine(target, tok, proposer), prompts[:4], reference[:4])
-        tree = draft_tree(proposer, target, prompts[1])
-        suppliable = [p for p in paths if max(p) < 48]  # the draft vocabulary has 48 tokens
-        assert tree.size == 1 + len(suppliable), name
-        assert int(tree.depths.max()) == max(len(p) for p in suppliable), name
+        for prompt_vocab in (True, False):
+            proposer = DraftProposer(draft, TreeBudget(), parallel_decoding=parallel, static=static,
+                                     prompt_vocab=prompt_vocab)
+            assert_same(Engine(target, tok, proposer), prompts[:4], reference[:4])
+            tree = draft_tree(proposer, target, prompts[1])
+            # the draft vocabulary has 48 tokens; with the prompt's tokens it lacks, more
+            assert (proposer.head.size > 48) == prompt_vocab
+            suppliable = [p for p in paths if max(p) < proposer.head.size]
+            assert tree.size == 1 + len(suppliable), name
+            assert int(tree.depths.max()) == max(len(p) for p in suppliable), name

@@ -68,7 +68,7 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
         one = torch.tensor([7])
         step_cold_ms = median_ms(step, repeats, warmup=1, before=lambda: jk.target(one, target_cache))
 
-    proposer.start(context + 4 * repeats + 64)
+    proposer.start(context + 4 * repeats + 64, prompt_vocab=False)
     ids = torch.randint(0, 1000, (context,), generator=gen).tolist()
     proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [7]))
     proposer.propose(ids)
@@ -80,7 +80,7 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
     # the chain the tuner picks on this machine: catch up on two committed positions, draft two
     # tokens one at a time (top-1, no contrastive branch), right after a target forward
     chain = DraftProposer(draft, TreeBudget(2, 1, 2), parallel_decoding=False)
-    chain.start(context + 4 * repeats + 64)
+    chain.start(context + 4 * repeats + 64, prompt_vocab=False)
     chain.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [7]))
     chain.propose(ids)
 

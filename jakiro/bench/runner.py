@@ -20,6 +20,8 @@ HF_METHODS = ("hf", "hf-pld")
 # benchmark names for a method with options: Jakiro's blended candidates, drafts on their fixed tree
 VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
             "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False}),
+            # drafts scoring only their own vocabulary (not also the prompt's tokens)
+            "eagle2-draftvocab": ("eagle2", {"prompt_vocab": False}), "jakiro-draftvocab": ("jakiro", {"prompt_vocab": False}),
             # the static tree of --static-tree
             "eagle2-static": ("eagle2", {"tree": None}), "jakiro-static": ("jakiro", {"tree": None})}
 KNOWN = METHODS + tuple(VARIANTS) + HF_METHODS
@@ -127,10 +129,24 @@ class _Answerer:
             toks, secs = self.hf.generate(ids, cfg.max_new_tokens, cfg.temperature, seed, m == "hf-pld", ar.eos_ids)
             text = self.jk.tokenizer.decode(toks, skip_special_tokens=True)
             return {"text": text, "token_ids": toks, "new_tokens": len(toks), "total_s": secs}
-        res = self.engines[m].generate(ids, cfg.max_new_tokens, SamplingParams(cfg.temperature, seed=seed))
+        engine = self.engines[m]
+        res = engine.generate(ids, cfg.max_new_tokens, SamplingParams(cfg.temperature, seed=seed))
         d = res.metrics.as_dict()
         d.update(text=res.text, token_ids=res.token_ids)
+        drafter = getattr(engine.proposer, "inner", engine.proposer)
+        if hasattr(drafter, "prompt_head") and res.token_ids:
+            d["head_coverage"] = head_coverage(drafter, ids, res.token_ids)
         return d
+
+
+def head_coverage(drafter, prompt: list[int], answer: list[int]) -> dict:
+    """How many of an answer's tokens a draft's head could propose at all: with the draft
+    vocabulary in use alone, and with the prompt's tokens added (``DraftProposer.prompt_head``)."""
+    answer_t = torch.tensor(answer)
+    base = drafter.draft.head(drafter.head_vocab).ids
+    with_prompt = drafter.prompt_head(prompt).ids
+    return {"tokens": len(answer), "draft_vocab": int(torch.isin(answer_t, base).sum()),
+            "with_prompt": int(torch.isin(answer_t, with_prompt).sum())}
 
 
 def _answer_all(cfg: BenchConfig, questions: list[dict], records: dict, done: set, answerer: _Answerer,
@@ -242,6 +258,10 @@ def _aggregate(turns: list[dict]) -> dict:
                    accepted_from={src: m.accepted_from.get(src, 0) for src in ("draft", "lookup", "both")})
     else:
         out["tau"] = None
+    covered = [t["head_coverage"] for t in turns if "head_coverage" in t]
+    if covered:  # share of answer tokens the draft's head holds: its vocabulary alone, and with the prompt's tokens
+        n = sum(c["tokens"] for c in covered)
+        out["head_coverage"] = {k: sum(c[k] for c in covered) / n for k in ("draft_vocab", "with_prompt")}
     return out
 
 

@@ -167,7 +167,7 @@ def _prepared(target, proposer: DraftProposer, context: int, calls: int, rows: i
     gen = torch.Generator().manual_seed(0)
     vocab, d = target.config.vocab_size, proposer.draft.config.hidden_size
     ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
-    proposer.start(context + (calls + 1) * rows + proposer.budget.depth + 8)
+    proposer.start(context + (calls + 1) * rows + proposer.budget.depth + 8, prompt_vocab=False)
     proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [ids[0]]))
     proposer.propose(ids, depth=1)
     def commit():

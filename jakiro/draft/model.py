@@ -21,6 +21,26 @@ from ..models.target import ROPE_SLACK, rope_tables
 from .config import DraftConfig
 
 
+class DraftHead:
+    """The rows of the target's LM head that a draft scores: their target token ids [V'] in row
+    order (a draft's top-k indices map to tokens through them), their float32 weight (training,
+    and inference without the kernels) and, built on first use, their inference layer."""
+
+    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, blocks: tuple[str, torch.Tensor] | None):
+        self.ids, self.weight, self._blocks = ids, weight, blocks
+        self._layer: FastLinear | None = None
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def layer(self) -> FastLinear:
+        if self._layer is None:
+            self._layer = FastLinear(self.weight, quantized=self._blocks)
+        return self._layer
+
+
 @dataclass
 class DraftOutput:
     features: torch.Tensor  # [B, T, K, d] output feature of each activated expert (K = 1 if dense)
@@ -79,7 +99,8 @@ class DraftModel(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embed: torch.Tensor | None = None  # target's, frozen, attached by attach_target
         self.head_weight: torch.Tensor | None = None  # [head_vocab, d]
-        self._head_fast: dict[int | None, FastLinear] = {}
+        self._lm_head: torch.Tensor | None = None  # the target's whole LM head [V, d]
+        self._heads: dict[int | None, DraftHead] = {}
         self._fast: dict[str, tuple] = {}  # inference copies of the layers: name -> (stamp, FastLinear)
         self._head_blocks: tuple[str, torch.Tensor] | None = None
         # inference streams the layers as Q8_0 blocks (set with a quantized target: the draft
@@ -105,11 +126,11 @@ class DraftModel(nn.Module):
         rows then stream too (bitwise the same weights, a quarter of the bytes)."""
         self.embed = embed.detach()
         self._head_blocks = head_blocks
-        head = lm_head.detach()
+        self._lm_head = head = lm_head.detach()
         if self.config.draft_vocab_size is not None:
             head = head[self.d2t].contiguous()
         self.head_weight = head
-        self._head_fast = {}
+        self._heads = {}
         return self
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
@@ -118,42 +139,76 @@ class DraftModel(nn.Module):
             raise ValueError(f"expected {self.config.draft_vocab_size} ids, got {token_ids.numel()}")
         self.d2t.copy_(token_ids.to(torch.long))
 
-    def head_logits(self, features: torch.Tensor, limit: int | None = None) -> torch.Tensor:
-        """[..., d] -> [..., head_vocab] logits over the draft vocabulary, or over its first
-        ``limit`` (most frequent) entries when a reduced vocabulary is in use."""
+    def head(self, limit: int | None = None, extra: torch.Tensor | None = None) -> DraftHead:
+        """The head over the draft vocabulary (or its first ``limit``, most frequent, entries),
+        plus the target tokens of ``extra`` it lacks (a request's prompt: tokens a prompt holds
+        are far likelier in its answer than their overall frequency says, and the target's head
+        scores every token, so the draft's predicted feature scores them too). Extra rows come
+        in the order given, padded with the next most frequent tokens to a multiple of 16 rows
+        (the tile kernel's unit)."""
+        if extra is None:
+            head = self._heads.get(limit)
+            if head is None:
+                ids = self.d2t if self.config.draft_vocab_size is not None else torch.arange(len(self.head_weight))
+                head = self._heads[limit] = self._rows(ids[:limit])
+            return head
+        base = self.head(limit).ids
+        V = self._lm_head.shape[0]
+        present = torch.zeros(V, dtype=torch.bool)
+        present[base] = True
+        extra = extra[(extra >= 0) & (extra < V)]
+        new = [t for t in dict.fromkeys(extra.tolist()) if not present[t]]
+        if not new:
+            return self.head(limit)
+        present[torch.tensor(new)] = True
+        pad = (-(len(base) + len(new))) % 16
+        if pad:
+            rest = self.d2t if self.config.draft_vocab_size is not None else torch.arange(V)
+            spare = rest[~present[rest]]
+            if len(spare) < pad:
+                spare = torch.cat((spare, torch.arange(V)[~present]))
+            new += spare[:pad].tolist()
+        return self._rows(torch.cat((base, torch.tensor(new, dtype=torch.long))))
+
+    def _rows(self, ids: torch.Tensor) -> DraftHead:
+        """A head over the target tokens ``ids`` (row order)."""
+        if self.config.draft_vocab_size is not None and len(ids) <= len(self.d2t) and torch.equal(ids, self.d2t[:len(ids)]):
+            weight = self.head_weight[:len(ids)].contiguous()
+        else:
+            weight = self._lm_head[ids].contiguous()
+        blocks = (self._head_blocks[0], self._head_blocks[1][ids].contiguous()) if self._head_blocks is not None else None
+        return DraftHead(ids, weight, blocks)
+
+    def _head_of(self, head: "DraftHead | int | None") -> DraftHead:
+        return head if isinstance(head, DraftHead) else self.head(head)
+
+    def head_logits(self, features: torch.Tensor, head: "DraftHead | int | None" = None) -> torch.Tensor:
+        """[..., d] -> [..., V'] logits over ``head``'s rows: a ``DraftHead``, or the draft
+        vocabulary (its first ``head`` most frequent entries for an int)."""
         if self.training or torch.is_grad_enabled():
-            return F.linear(features, self.head_weight[:limit])
+            weight = head.weight if isinstance(head, DraftHead) else self.head_weight[:head]
+            return F.linear(features, weight)
         flat = features.reshape(-1, features.shape[-1])
-        return self._head_layer(limit)(flat).view(*features.shape[:-1], -1)
+        return self._head_of(head).layer(flat).view(*features.shape[:-1], -1)
 
-    def _head_layer(self, limit: int | None) -> FastLinear:
-        """The inference copy of the head (its first ``limit`` rows), built on first use."""
-        fast = self._head_fast.get(limit)
-        if fast is None:
-            blocks = None
-            if self._head_blocks is not None:
-                rows = self.d2t if self.config.draft_vocab_size is not None else torch.arange(len(self.head_weight))
-                blocks = (self._head_blocks[0], self._head_blocks[1][rows[:limit]].contiguous())
-            fast = self._head_fast[limit] = FastLinear(self.head_weight[:limit].contiguous(), quantized=blocks)
-        return fast
-
-    def mlp_head_topk(self, r: torch.Tensor, k: int, limit: int | None = None, expert: int = 0):
+    def mlp_head_topk(self, r: torch.Tensor, k: int, head: "DraftHead | int | None" = None, expert: int = 0):
         """One expert's half of ``heads`` (EAGLE-2's MLP: expert 0) then the head's top-k, for
         residual rows r [n, d], in one call of the small-batch kernels: (features r + MLP [n, d],
-        target token ids [n, k], log-probs [n, k] over the head's first ``limit`` entries), or None
+        target token ids [n, k], log-probs [n, k] over ``head``'s rows), or None
         where that path does not apply (training, no kernel)."""
         c = self.config
         if self.training or torch.is_grad_enabled() or not smallgemm.available() or self.post_norm.dtype != torch.float32:
             return None
         gate_up = self._fast_layer(f"gate_up{expert}", (self.gate_up[expert],)).kernel_weight
         down = self._fast_layer(f"down{expert}", (self.down[expert],)).kernel_weight
-        head = self._head_layer(limit)
+        rows = self._head_of(head)
+        head = rows.layer
         if gate_up is None or down is None or head.kernel_weight is None:
             return None
         vocab = head.out_features
         feats, ids, logp = smallgemm.draft_mlp_head(r, self.post_norm.detach(), gate_up, down, c.intermediate_size,
                                                     head.kernel_weight, vocab, min(k, vocab), c.rms_norm_eps)
-        return feats, self.to_target_ids(ids), logp
+        return feats, rows.ids[ids], logp
 
     def top_expert(self, r: torch.Tensor) -> int:
         """The expert the router ranks first for one residual row r [1, d] (0 for EAGLE-2): the
@@ -186,7 +241,10 @@ class DraftModel(nn.Module):
                                                           quantized=blocks))
         return entry[1]
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+    def to_target_ids(self, draft_ids: torch.Tensor, head: "DraftHead | None" = None) -> torch.Tensor:
+        """Target token ids of head rows (of ``head``, default the draft vocabulary)."""
+        if head is not None:
+            return head.ids[draft_ids]
         return draft_ids if self.config.draft_vocab_size is None else self.d2t[draft_ids]
 
     def new_cache(self, max_len: int) -> KVCache:
