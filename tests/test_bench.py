@@ -94,10 +94,10 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
     result = tune.run_tune(tiny_draft, tiny_chat_target, str(tmp_path / "cache"), max_new_tokens=8,
                            prompts=["Hello there."], progress=False)
     best = result["best"]
-    # two trees with and without contrastive parallel decoding, then two reduced vocabularies
-    assert len(result["grid"]) == 6
+    # two trees with and without contrastive parallel decoding, then three reduced vocabularies
+    assert len(result["grid"]) == 7
     assert {r.get("parallel_decoding") for r in result["grid"][:4]} == {True, False}
-    assert [r.get("draft_vocab") for r in result["grid"][4:]] == [64, 128]
+    assert [r.get("draft_vocab") for r in result["grid"][4:]] == [32, 64, 128]
     finalists = sorted(result["grid"], key=lambda r: r["tokens_per_s"], reverse=True)[:3]
     assert {k: best[k] for k in ("depth", "top_k", "total_tokens", "parallel_decoding")} in [
         {k: r[k] for k in ("depth", "top_k", "total_tokens", "parallel_decoding")} for r in finalists]

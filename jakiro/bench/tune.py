@@ -34,7 +34,8 @@ def _measure(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[flo
 def run_tune(draft: str, target: str | None = None, cache: str | None = None,
              max_new_tokens: int = 48, prompts: list[str] | None = None, progress: bool = True) -> dict:
     """Successive halving over the tree grid: every tree on one short prompt, the best
-    ``SURVIVORS`` on every calibration prompt, two reduced draft vocabularies on the best, and
+    ``SURVIVORS`` on every calibration prompt, three reduced draft vocabularies on the best (an
+    eighth, a quarter and half of it: the prompt's own tokens join any of them), and
     the finalists side by side with plain decoding. The best so far is saved after every
     measurement (``complete: false``), so an interrupted run keeps what it measured."""
     from tqdm import tqdm
@@ -51,7 +52,7 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     configs = _grid_configs(method, model)
     survivors = min(len(configs), max(SURVIVORS, FINALISTS))
     vocab = model.config.draft_vocab_size
-    bar = tqdm(total=len(configs) + survivors + (2 if vocab else 0), desc="tune", disable=not progress)
+    bar = tqdm(total=len(configs) + survivors + (3 if vocab else 0), desc="tune", disable=not progress)
     tuning = _Tuning(jk, model, draft, method, cache, bar)
     result = tuning.result
     try:
@@ -63,7 +64,7 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
         finals = [tuning.measure(row, prompts_ids, max_new_tokens, 2) for row in screened[:survivors]]
         best = max(finals, key=lambda r: r["tokens_per_s"])
         if vocab:
-            for size in (vocab // 4, vocab // 2):
+            for size in (vocab // 8, vocab // 4, vocab // 2):
                 finals.append(tuning.measure(dict(best, draft_vocab=size), prompts_ids, max_new_tokens, 2))
         bar.close()
         finalists = sorted(finals, key=lambda r: r["tokens_per_s"], reverse=True)[:FINALISTS]
