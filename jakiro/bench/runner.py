@@ -134,17 +134,17 @@ class _Answerer:
         d = res.metrics.as_dict()
         d.update(text=res.text, token_ids=res.token_ids)
         drafter = getattr(engine.proposer, "inner", engine.proposer)
-        if hasattr(drafter, "prompt_head") and res.token_ids:
+        if hasattr(drafter, "prompt_tokens") and res.token_ids:
             d["head_coverage"] = head_coverage(drafter, ids, res.token_ids)
         return d
 
 
 def head_coverage(drafter, prompt: list[int], answer: list[int]) -> dict:
     """How many of an answer's tokens a draft's head could propose at all: with the draft
-    vocabulary in use alone, and with the prompt's tokens added (``DraftProposer.prompt_head``)."""
+    vocabulary in use alone, and with the prompt's tokens added (``DraftProposer.prompt_tokens``)."""
     answer_t = torch.tensor(answer)
-    base = drafter.draft.head(drafter.head_vocab).ids
-    with_prompt = drafter.prompt_head(prompt).ids
+    base = drafter.draft.head_ids(drafter.head_vocab)
+    with_prompt = drafter.draft.head_ids(drafter.head_vocab, drafter.prompt_tokens(prompt))
     return {"tokens": len(answer), "draft_vocab": int(torch.isin(answer_t, base).sum()),
             "with_prompt": int(torch.isin(answer_t, with_prompt).sum())}
 

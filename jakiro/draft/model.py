@@ -139,45 +139,53 @@ class DraftModel(nn.Module):
             raise ValueError(f"expected {self.config.draft_vocab_size} ids, got {token_ids.numel()}")
         self.d2t.copy_(token_ids.to(torch.long))
 
-    def head(self, limit: int | None = None, extra: torch.Tensor | None = None) -> DraftHead:
-        """The head over the draft vocabulary (or its first ``limit``, most frequent, entries),
-        plus the target tokens of ``extra`` it lacks (a request's prompt: tokens a prompt holds
-        are far likelier in its answer than their overall frequency says, and the target's head
-        scores every token, so the draft's predicted feature scores them too). Extra rows come
-        in the order given, padded with the next most frequent tokens to a multiple of 16 rows
-        (the tile kernel's unit)."""
+    def _vocab_order(self) -> torch.Tensor:
+        """Target token ids of the draft vocabulary, most frequent first (every token without one)."""
+        return self.d2t if self.config.draft_vocab_size is not None else torch.arange(len(self.head_weight))
+
+    def head_ids(self, limit: int | None = None, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Target token ids of ``head``'s rows, in row order: the draft vocabulary (or its first
+        ``limit`` entries), then the tokens of ``extra`` it lacks in the order given, padded with
+        the next most frequent tokens to a multiple of 16 rows (the tile kernel's unit)."""
+        order = self._vocab_order()
+        base = order[:limit]
         if extra is None:
-            head = self._heads.get(limit)
-            if head is None:
-                ids = self.d2t if self.config.draft_vocab_size is not None else torch.arange(len(self.head_weight))
-                head = self._heads[limit] = self._rows(ids[:limit])
-            return head
-        base = self.head(limit).ids
+            return base
         V = self._lm_head.shape[0]
         present = torch.zeros(V, dtype=torch.bool)
         present[base] = True
         extra = extra[(extra >= 0) & (extra < V)]
-        new = [t for t in dict.fromkeys(extra.tolist()) if not present[t]]
-        if not new:
-            return self.head(limit)
-        present[torch.tensor(new)] = True
+        first = torch.tensor(list(dict.fromkeys(extra.tolist())), dtype=torch.long)  # repeats dropped, order kept
+        new = first[~present[first]]
+        if len(new) == 0:
+            return base
+        present[new] = True
         pad = (-(len(base) + len(new))) % 16
         if pad:
-            rest = self.d2t if self.config.draft_vocab_size is not None else torch.arange(V)
-            spare = rest[~present[rest]]
+            spare = order[~present[order]]
             if len(spare) < pad:
                 spare = torch.cat((spare, torch.arange(V)[~present]))
-            new += spare[:pad].tolist()
-        return self._rows(torch.cat((base, torch.tensor(new, dtype=torch.long))))
+            new = torch.cat((new, spare[:pad]))
+        return torch.cat((base, new))
 
-    def _rows(self, ids: torch.Tensor) -> DraftHead:
-        """A head over the target tokens ``ids`` (row order)."""
-        if self.config.draft_vocab_size is not None and len(ids) <= len(self.d2t) and torch.equal(ids, self.d2t[:len(ids)]):
-            weight = self.head_weight[:len(ids)].contiguous()
-        else:
-            weight = self._lm_head[ids].contiguous()
+    def head(self, limit: int | None = None, extra: torch.Tensor | None = None) -> DraftHead:
+        """The head over ``head_ids(limit, extra)``: the draft vocabulary (or its first ``limit``,
+        most frequent, entries), plus the target tokens of ``extra`` it lacks (a request's
+        prompt: tokens a prompt holds are far likelier in its answer than their overall frequency
+        says, and the target's head scores every token, so the draft's predicted feature scores
+        them too). The plain vocabulary heads are built once and kept."""
+        base = self._heads.get(limit)
+        if base is None:
+            base = self._heads[limit] = self._rows(self._vocab_order()[:limit], self.head_weight[:limit])
+        if extra is None:
+            return base
+        ids = self.head_ids(limit, extra)
+        return base if len(ids) == base.size else self._rows(ids, self._lm_head[ids])
+
+    def _rows(self, ids: torch.Tensor, weight: torch.Tensor) -> DraftHead:
+        """A head over the target tokens ``ids`` whose LM-head rows are ``weight``."""
         blocks = (self._head_blocks[0], self._head_blocks[1][ids].contiguous()) if self._head_blocks is not None else None
-        return DraftHead(ids, weight, blocks)
+        return DraftHead(ids, weight.contiguous(), blocks)
 
     def _head_of(self, head: "DraftHead | int | None") -> DraftHead:
         return head if isinstance(head, DraftHead) else self.head(head)
