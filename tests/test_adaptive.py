@@ -61,6 +61,24 @@ def test_a_long_catch_up_is_paid_for(tiny):
     assert proposer.inner.pending_rows == 62 and proposer.choose_depth() == 0
 
 
+def test_reading_a_long_prompt_is_spread_over_the_cycles_that_follow(tiny):
+    """Before its first proposal the draft reads the whole prompt, a debt paid whenever it first
+    drafts: charged to that cycle alone, a 256-token prompt kept a draft that pays idle; spread
+    over the cycles after it, the draft starts at once."""
+    costs = CostTable({1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 1.6}, {d: 0.2 * d for d in range(1, 5)},
+                      catch_up_ms={2: 0.0, 34: 0.32, 258: 2.56})
+    proposer = make(tiny, costs)
+    proposer.start(512)
+    proposer.reached[1:] = torch.tensor([16.0, 12.0, 9.0, 6.0])  # depth 1 reached in 4 of 5 cycles
+    proposer.tried[1:] = 20.0
+    d = proposer.inner.draft.config.hidden_size
+    proposer.observe(torch.randn(258, d), torch.randint(0, 60, (258,)))
+    assert proposer.inner.pending_rows == 258
+    assert proposer.draft_cost(1, 258) == pytest.approx(0.2 + 2.56 / 8)
+    assert 1.8 / (1.05 + costs.draft(1, pending=258)) < 1.0  # charged in full it would not pay
+    assert proposer.choose_depth() >= 1
+
+
 def test_measured_costs_cover_every_depth_and_grow_with_the_context(tiny):
     from jakiro.decoding.adaptive import measure_costs
     root, target, tok, prompts, reference = tiny
@@ -113,10 +131,10 @@ def test_a_draft_that_repeats_the_chain_earns_nothing_beside_it(tiny):
     assert proposer.reach_probability() == pytest.approx(prior)
     for _ in range(30):  # where the chain misses at once, the draft's own tokens are rejected
         cycle([0, DRAFT, DRAFT], [0])
-    assert proposer.reach_probability()[0] < 0.1
+    assert proposer.reach_probability()[0] < 0.2  # from the 0.6 prior, with ~10 recent cycles against it
     for _ in range(30):  # ... or accepted
         cycle([0, DRAFT, DRAFT], [0, 1, 2])
-    assert proposer.reach_probability()[1] > 0.8
+    assert proposer.reach_probability()[1] > 0.7
 
 def make(tiny, costs, method="jakiro", budget=TreeBudget(4, 3, 12), name="adaptive-draft", **overrides):
     root, target, tok, prompts, reference = tiny
@@ -142,7 +160,8 @@ def test_depth_follows_observed_acceptance(tiny):
     proposer = make(tiny, CHEAP_DRAFT)
     proposer.start(64)
     assert proposer.choose_depth() >= 1  # the prior is optimistic: a cheap draft is tried
-    for _ in range(4):  # four drafted cycles, nothing accepted
+    for _ in range(30):  # thirty drafted cycles, nothing accepted (a few misses are not enough to
+        # stop a draft this cheap: the prior holds until the recent cycles outweigh it)
         tree = build_tree(torch.tensor([1, 2]), torch.tensor([-1, 0]))
         tree.scores = torch.tensor([0.0, math.log(0.5)])
         proposer.feedback(tree, Verdict(torch.tensor([0]), 7))

@@ -10,8 +10,9 @@ of draft probabilities, over-confident for a weak draft) against the nodes actua
 
 Per cycle: the depth d (0 = plain step) maximises expected committed tokens per millisecond,
 E(d) / (t(n_d) + draft(d)) with E(d) = 1 + sum_{i<=d} P(path reaches depth i), both costs at the
-request's current length (the draft's including the positions it must catch up on first, the
-target's as it runs right after a proposal), and drafting must beat not drafting by a margin;
+request's current length (the draft's including a share of the positions it must catch up on
+first, the target's as it runs right after a proposal), and drafting must beat not drafting by a
+small margin;
 the drafted tree is then cut to the k best nodes maximising
 (1 + sum of their calibrated acceptance) / t(k + 1). With prompt lookup, depth i counts as
 reached when the draft or the lookup chain gets there, the draft's chance being estimated on the
@@ -45,14 +46,16 @@ PROBE_SHARE = 0.03  # probes (and the catch-up each does first) may cost at most
 # plain steps taken so far in the request: a short answer never pays for the draft reading its prompt
 BUCKETS = torch.tensor([0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001])
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior
-DEPTH_PRIOR_WEIGHT = 1.0  # ... and behind the depth prior, against at most 1 / (1 - FORGET) observations
+DEPTH_PRIOR_WEIGHT = 4.0  # ... and behind the depth prior, against at most 1 / (1 - FORGET) observations:
+# lighter, two early misses (an answer's first words) kept a good draft idle for dozens of steps
 FORGET = 0.9  # each drafted cycle's outcome weighs this much less per later one: a draft that did
 # well on an answer's opening words and not on the rest (a translation) is dropped within ~10 cycles
 PRIOR_SHRINK = 0.8  # prior: a node is accepted with 0.8 x its draft probability
 PRIOR_DEPTH = 0.6  # prior: P(path gets past level i | it reached i - 1) = 0.6 (optimistic, so drafting is tried)
-DRAFT_MARGIN = 0.08  # drafting must promise this much more than not drafting: a drafted cycle's
-# verification and bookkeeping cost ~0.3 ms (~7 % of a plain step) that the table leaves out, and
-# its acceptance estimates rest on a few dozen cycles; a draft that only breaks even stays idle
+DRAFT_MARGIN = 0.03  # drafting must promise this much more than not drafting: a drafted cycle's
+# bookkeeping (~3 % of its time, profiled) is not in the table, and its acceptance estimates rest
+# on a few dozen cycles; a draft that only breaks even stays idle
+CATCH_UP_CYCLES = 8  # drafted cycles over which one catch-up is charged (``draft_cost``)
 PRIOR_LOOKUP_MISS = 0.7  # prior: a lookup token found by an n-token match (and whose predecessors
 PRIOR_LOOKUP_DECAY = 0.6  # matched) misses with 0.7 x 0.6^(n - 1): 0.3 / 0.58 / 0.75 match for n = 1 / 2 / 3
 
@@ -303,10 +306,20 @@ class AdaptiveProposer(Proposer):
             expected = 1.0 + sum(either)
             # a path to depth d verifies at least d nodes
             nodes = chain_length + max(d, round(self.nodes[d]))
-            rate = expected / (c.target(1 + nodes, n_ctx, drafted=True) + c.draft(d, n_ctx, pending))
+            rate = expected / (c.target(1 + nodes, n_ctx, drafted=True) + self.draft_cost(d, pending))
             if rate > best_rate:
                 best_depth, best_rate = d, rate
         return best_depth
+
+    def draft_cost(self, depth: int, pending: int) -> float:
+        """A proposal of ``depth`` now, with what catching up on ``pending`` committed positions
+        costs more spread over ``CATCH_UP_CYCLES``: the draft reads every committed position
+        before it next drafts, whenever that is, so taking plain steps only defers (and grows)
+        that debt. Charged in full to this cycle, the prompt's reading kept long prompts from ever
+        drafting (a 400-token document: two dozen plain steps before the first probe)."""
+        c, n_ctx = self.costs, self.context_length
+        usual = c.draft(depth, n_ctx)
+        return usual + (c.draft(depth, n_ctx, pending) - usual) / CATCH_UP_CYCLES
 
     def _bucket(self, draft_prob: torch.Tensor) -> torch.Tensor:
         return (torch.bucketize(draft_prob, BUCKETS, right=True) - 1).clamp(0, len(self.seen) - 1)
