@@ -57,6 +57,10 @@ def test_bench_summary_is_consistent_and_plots_are_written(tmp_path, tiny_chat_t
         assert per_cat["all"]["new_tokens"] == per_cat["math"]["new_tokens"] + per_cat["writing"]["new_tokens"]
         assert per_cat["all"]["greedy_match"] == 1.0, m
     assert methods["ar"]["all"]["speedup"] == 1.0
+    assert methods["ar"]["all"]["decode_speedup"] == 1.0 and "decode_speedup" not in methods["hf"]["all"]
+    for m in ("ar", "pld", "jakiro"):  # the answer alone: faster than with the prompt's prefill
+        a = methods[m]["all"]
+        assert 0 < a["prefill_s"] < a["seconds"] and a["decode_tokens_per_s"] > a["tokens_per_s"], m
     assert methods["ar"]["all"]["tau"] == 1.0
     for m in ("pld", "jakiro", "jakiro-fixed"):  # τ·forwards = accepted draft tokens + one bonus per cycle
         a = methods[m]["all"]  # (an answer's last cycle may lose its bonus to the length limit)
