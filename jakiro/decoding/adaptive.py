@@ -91,8 +91,12 @@ class CostTable:
             return 0.0
         base = self.draft_ms.get(depth, max(self.draft_ms.values()))
         slope = self.draft_slope.get(depth, max(self.draft_slope.values())) if self.draft_slope else 0.0
-        return (base + (slope * (context - self.context) if context is not None else 0.0)
-                + (_at(self.catch_up_ms, pending) if pending > 2 and self.catch_up_ms else 0.0))
+        return base + (slope * (context - self.context) if context is not None else 0.0) + self.catch_up(pending)
+
+    def catch_up(self, pending: int) -> float:
+        """What a proposal costs more when it first catches up on ``pending`` committed positions
+        instead of the two of a typical cycle."""
+        return _at(self.catch_up_ms, pending) if pending > 2 and self.catch_up_ms else 0.0
 
     def as_dict(self) -> dict:
         def rounded(table: dict, digits: int) -> dict:
@@ -317,9 +321,7 @@ class AdaptiveProposer(Proposer):
         before it next drafts, whenever that is, so taking plain steps only defers (and grows)
         that debt. Charged in full to this cycle, the prompt's reading kept long prompts from ever
         drafting (a 400-token document: two dozen plain steps before the first probe)."""
-        c, n_ctx = self.costs, self.context_length
-        usual = c.draft(depth, n_ctx)
-        return usual + (c.draft(depth, n_ctx, pending) - usual) / CATCH_UP_CYCLES
+        return self.costs.draft(depth, self.context_length) + self.costs.catch_up(pending) / CATCH_UP_CYCLES
 
     def _bucket(self, draft_prob: torch.Tensor) -> torch.Tensor:
         return (torch.bucketize(draft_prob, BUCKETS, right=True) - 1).clamp(0, len(self.seen) - 1)
