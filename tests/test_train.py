@@ -115,6 +115,24 @@ def test_single_step_loss_is_the_sum_of_branch_losses(tiny_setup):
     assert parts["blend"] == pytest.approx(float(expect_blend.detach()), rel=1e-5)
 
 
+def test_cross_entropy_weight_scales_only_the_token_term(tiny_setup):
+    target, _ = tiny_setup
+    draft = _random_draft("eagle2", target)
+    ids, feats, mask = _random_sequence(draft, 12, seed=4, first_loss=5)
+    feature_only, _ = draft_loss(draft, ids, feats, mask, steps=2, p_weight=0.0)
+    default, _ = draft_loss(draft, ids, feats, mask, steps=2)
+    heavy, _ = draft_loss(draft, ids, feats, mask, steps=2, p_weight=1.0)
+    # the loss is linear in the weight: feature term + w * cross-entropy term
+    ce_at_default = (default - feature_only) / 0.1
+    torch.testing.assert_close(heavy, feature_only + ce_at_default, rtol=1e-4, atol=1e-4)
+    assert float(ce_at_default) > 0
+
+
+def test_negative_cross_entropy_weight_is_refused(tmp_path):
+    with pytest.raises(JakiroError, match="--p-weight must be >= 0"):
+        TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), p_weight=-1.0).check()
+
+
 def test_heldout_metrics_count_what_drafting_would_propose(tiny_setup):
     target, _ = tiny_setup
     draft = _random_draft("jakiro", target)

@@ -10,6 +10,7 @@ from ..errors import JakiroError
 from ..data.conversations import task_passage
 
 STEP_DECAY = 0.8
+P_WEIGHT = 0.1  # w_p: cross-entropy weight next to the feature regression
 JAKIRO_LOSSES = ("separate", "full", "reference")
 
 
@@ -97,6 +98,8 @@ class TrainConfig:
     unroll: int = _opt(4, "draft steps trained per position on the draft's own predictions "
                           "(training-time test); 1 = single-step training")
     step_decay: float = _opt(STEP_DECAY, "loss weight of unrolled step s: step_decay ** (s - 1)")
+    p_weight: float = _opt(P_WEIGHT, "weight of the cross-entropy against the target's next-token "
+                                     "distribution, next to the feature regression (weight 1)")
     jakiro_loss: str = _opt("separate", "jakiro: separate = the first expert as a draft, the second on the "
                                         "tokens the first leaves, blend and contrastive; full = every expert "
                                         "toward the same target; reference = blend and contrastive only",
@@ -126,6 +129,8 @@ class TrainConfig:
         if self.warmup >= self.steps:
             raise JakiroError(f"--warmup {self.warmup} must be below --steps {self.steps} "
                               "(the learning rate would never reach its peak)")
+        if not self.p_weight >= 0:
+            raise JakiroError(f"--p-weight must be >= 0, got {self.p_weight}")
         if not self.lr > 0:
             raise JakiroError(f"--lr must be > 0, got {self.lr}")
         if self.batch_size % world:

@@ -21,9 +21,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .config import JAKIRO_LOSSES, STEP_DECAY
+from .config import JAKIRO_LOSSES, P_WEIGHT, STEP_DECAY
 
-P_WEIGHT = 0.1  # w_p
 CONTRASTIVE_WEIGHT = 0.5
 EXPERT_QUOTA = 2  # candidates the first expert proposes before the second one (top-k 4, 2 experts)
 
@@ -140,34 +139,34 @@ def second_expert_loss(taken: torch.Tensor, pred_b: torch.Tensor, target_feat: t
 
 
 def step_parts(model, rows: StepRows, targets: TargetRows, mask: torch.Tensor, head: torch.Tensor,
-               jakiro_loss: str) -> dict[str, torch.Tensor]:
-    """Summed losses of one unrolled step, by branch."""
+               jakiro_loss: str, p_weight: float = P_WEIGHT) -> dict[str, torch.Tensor]:
+    """Summed losses of one unrolled step, by branch; ``p_weight``: see ``branch_loss``."""
     out = rows.out
     ok, b, p = rows.targets(mask)
     feat, probs = targets.feats[b, p], targets.probs(b, p)
-    parts = {"blend": branch_loss(out.blend[ok], feat, probs, head)}
+    parts = {"blend": branch_loss(out.blend[ok], feat, probs, head, p_weight=p_weight)}
     if model.config.method == "jakiro":
         experts, weights = out.features[ok], out.weights[ok]
         if jakiro_loss == "full":  # every activated expert toward the same target, router-weighted
-            parts["experts"] = sum(branch_loss(experts[:, k], feat, probs, head, weights[:, k])
+            parts["experts"] = sum(branch_loss(experts[:, k], feat, probs, head, weights[:, k], p_weight)
                                    for k in range(experts.shape[1]))
         elif jakiro_loss == "separate":  # the first expert as a draft, the second on what it leaves
             logits_a = F.linear(experts[:, 0], head)
             taken = torch.topk(logits_a.detach(), EXPERT_QUOTA, dim=-1).indices
-            parts["experts"] = branch_loss(experts[:, 0], feat, probs, head, logits=logits_a) + \
-                second_expert_loss(taken, experts[:, 1], feat, probs, head)
+            parts["experts"] = branch_loss(experts[:, 0], feat, probs, head, p_weight=p_weight, logits=logits_a) + \
+                second_expert_loss(taken, experts[:, 1], feat, probs, head, p_weight)
         if out.contrastive is not None:  # predicts one position further
             ok2, b2, p2 = rows.targets(mask, ahead=1)
             parts["contrastive"] = CONTRASTIVE_WEIGHT * branch_loss(
-                out.contrastive[ok2], targets.feats[b2, p2], targets.probs(b2, p2), head)
+                out.contrastive[ok2], targets.feats[b2, p2], targets.probs(b2, p2), head, p_weight=p_weight)
     return parts
 
 
 def draft_loss(model, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor, steps: int = 1,
                noise: torch.Tensor | None = None, jakiro_loss: str = "separate",
-               decay: float = STEP_DECAY) -> tuple[torch.Tensor, dict]:
+               decay: float = STEP_DECAY, p_weight: float = P_WEIGHT) -> tuple[torch.Tensor, dict]:
     """Total summed loss of a batch unrolled ``steps`` draft steps, and its parts (per branch and
-    per step, as floats)."""
+    per step, as floats); ``p_weight``: the cross-entropy's weight (``branch_loss``)."""
     if jakiro_loss not in JAKIRO_LOSSES:
         raise ValueError(f"unknown Jakiro loss {jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
     head = model.head_weight
@@ -176,7 +175,7 @@ def draft_loss(model, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor
     total = feats.new_zeros(())
     report: dict[str, float] = {}
     for rows in unroll(model, ids, feats, mask, steps, noise, lookahead):
-        parts = step_parts(model, rows, targets, mask, head, jakiro_loss)
+        parts = step_parts(model, rows, targets, mask, head, jakiro_loss, p_weight)
         step_total = sum(parts.values())
         total = total + decay ** (rows.step - 1) * step_total
         for k, v in parts.items():

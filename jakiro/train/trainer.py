@@ -70,7 +70,8 @@ class DraftLoss(torch.nn.Module):
 
     def forward(self, ids, feats, mask, noises):
         cfg = self.cfg
-        return draft_loss(self.model, ids, feats, mask, cfg.unroll, noises, cfg.jakiro_loss, cfg.step_decay)
+        return draft_loss(self.model, ids, feats, mask, cfg.unroll, noises, cfg.jakiro_loss, cfg.step_decay,
+                          cfg.p_weight)
 
 
 # settings added after a run format was first written, with the behaviour runs had before them
