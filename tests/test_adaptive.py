@@ -284,3 +284,32 @@ def test_noisy_timings_become_a_non_decreasing_cost_curve():
     assert monotone({1: 5.0, 2: 4.0, 4: 6.0, 8: 9.0}) == {1: 4.5, 2: 4.5, 4: 6.0, 8: 9.0}
     assert monotone({1: 3.0, 2: 3.5, 4: 3.2, 8: 3.1}) == pytest.approx({1: 3.0, 2: 3.2666667, 4: 3.2666667, 8: 3.2666667})
     assert monotone({3: 1.0}) == {3: 1.0} and monotone({}) == {}
+
+
+def test_cost_timing_primes_and_keeps_prompt_sized_forwards_apart():
+    """``forward_costs`` times each forward right after untimed ones of the same size, and runs
+    forwards beyond the tree sizes (prompts) in rounds of their own, after the tree sizes."""
+    from jakiro.decoding.costs import PRIMING_CALLS, forward_ms, interleaved_ms
+    from jakiro.models.linear import SMALL_ROWS
+
+    order = []
+    calls = {k: (lambda k=k: order.append(k)) for k in "ab"}
+    interleaved_ms(calls, repeats=2, warmup=1, before=lambda: order.append("before"), primed=2)
+    assert order == ["before", "a", "a", "a", "before", "b", "b", "b"] * 3
+
+    class Target:
+        class config:
+            vocab_size = 50
+
+        def __call__(self, ids, cache, positions, mask):
+            seen.append(len(ids))
+
+    class Cache:
+        length = 7
+
+    seen = []
+    sizes = (1, SMALL_ROWS + 1, 4)
+    times = forward_ms(Target(), Cache(), repeats=1, sizes=sizes, warmup=0, primed=PRIMING_CALLS)
+    assert list(times) == list(sizes)  # in the order asked
+    per_call = PRIMING_CALLS + 1
+    assert seen == [1] * per_call + [4] * per_call + [SMALL_ROWS + 1] * per_call
