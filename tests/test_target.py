@@ -112,6 +112,38 @@ def test_fused_decoder_stack_matches_torch_operations(tmp_path, model_type):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(3, 1, 64), (6, 2, 64), (4, 1, 64), (2, 1, 128)])
+def test_tree_rows_match_decoding_alone_with_real_head_layouts(tmp_path, heads, kv_heads, head_dim):
+    """The head layouts of real models, which take the attention kernels that score several keys
+    and heads at once (SmolLM2: nine heads of 64 over three KV heads): every tree row's logits
+    bitwise those of decoding its path one token at a time, for trees of 2 to 11 tokens, and the
+    same as the torch operations."""
+    model = TargetModel.from_folder(make_tiny_target(
+        str(tmp_path), hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, tie_word_embeddings=True))
+    assert model._fused is not None
+    prefix = torch.arange(2, 40)
+    tree = build_tree(torch.tensor([7, 9, 12, 11, 13, 15, 14, 20, 21, 22, 23]),
+                      torch.tensor([-1, 0, 0, 1, 2, 1, 4, 6, 7, 3, 9]))
+    for n in (2, 3, 5, 11):
+        sub = build_tree(tree.tokens[:n], torch.tensor([-1, 0, 0, 1, 2, 1, 4, 6, 7, 3, 9])[:n])
+        cache = prefilled(model, prefix, scratch=16)
+        logits, _ = model(sub.tokens, cache, cache.length + sub.depths, sub.tree_mask)
+        for path in sub.retrieve_paths:
+            path = path[path >= 0]
+            alone = prefilled(model, prefix)
+            for index in path.tolist():
+                step, _ = model(sub.tokens[index:index + 1], alone)
+                alone.commit(1)
+                assert torch.equal(step[0], logits[index]), (n, index)
+        fused, model._fused = model._fused, None
+        cache = prefilled(model, prefix, scratch=16)
+        reference, _ = model(sub.tokens, cache, cache.length + sub.depths, sub.tree_mask)
+        model._fused = fused
+        torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+
+
 def test_keep_compacts_accepted_path_and_next_forward_matches(tiny_llama_dir):
     model = TargetModel.from_folder(tiny_llama_dir)
     prefix = torch.arange(2, 20)
