@@ -247,6 +247,14 @@ inline void softmax_rows(float* scores, int64_t g, int64_t L, float* inv) {
   }
 }
 
+// Cached keys and values are read one row after another, a single stream per head, which one
+// core reads at a fraction of the rate several streams reach; asking for the rows AHEAD
+// positions on keeps more of them in flight
+constexpr int64_t AHEAD = 8;
+inline void prefetch_row(const float* p, int vectors) {
+  for (int c = 0; c < vectors * AL; c += 64 / static_cast<int>(sizeof(float))) __builtin_prefetch(p + c, 0, 3);
+}
+
 // The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D], D = AL C.
 // Keys and values are read once per pass for all G heads (attend_any runs other group sizes one
 // head at a time). scores: scratch of G * (number of keys) floats.
@@ -262,6 +270,8 @@ void attend_heads(const float* q, const float* K, const float* V, int64_t ld, co
   for (; i + NK <= L; i += NK) {
     const float* k[NK];
     for (int j = 0; j < NK; ++j) k[j] = K + key(i + j) * ld;
+    if (i + AHEAD + NK <= P)
+      for (int j = 0; j < NK; ++j) prefetch_row(K + (i + AHEAD + j) * ld, C);
     dot_heads<C, G, NK>(q, D, k, sc);
     for (int h = 0; h < G; ++h)
       for (int j = 0; j < NK; ++j) scores[h * L + i + j] = sc[h][j] * scale;
@@ -279,6 +289,7 @@ void attend_heads(const float* q, const float* K, const float* V, int64_t ld, co
       for (int c = 0; c < CH; ++c) acc[h][c] = av{};
     for (int64_t t = 0; t < L; ++t) {
       const float* v = V + key(t) * ld + c0 * AL;
+      if (t + AHEAD < P) prefetch_row(V + (t + AHEAD) * ld + c0 * AL, CH);
       av vv[CH];
       for (int c = 0; c < CH; ++c) vv[c] = aload(v + c * AL);
       for (int h = 0; h < G; ++h) {
