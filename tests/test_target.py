@@ -204,3 +204,11 @@ def test_weight_bytes_counts_each_streamed_weight_once(tmp_path):
         if model_type == "qwen2":
             params -= hf.model.embed_tokens.weight.numel()  # only gathered from, never streamed
         assert weight_bytes(TargetModel.from_folder(folder)) == params * 4
+
+
+def test_kv_bytes_is_what_one_forward_reads_from_the_cache(tiny_llama_dir):
+    from jakiro.bench.cost_curve import kv_bytes
+    model = TargetModel.from_folder(tiny_llama_dir)
+    cache = model.new_cache(100)
+    per_position = cache.data[:, :, :, :, :1].numel() * cache.data.element_size()  # keys and values, every layer
+    assert kv_bytes(model, 100) == 100 * per_position

@@ -1,6 +1,6 @@
 """Target cost curve (forward time vs number of new tree tokens at a fixed context), judged
 against the machine's memory floor (the time to stream the target's weights once, measured in
-the same run), the draft's cost per step and per cycle for each shipped draft, and plain greedy
+the same run; and the weights plus the KV cache at that context, which a forward also reads), the draft's cost per step and per cycle for each shipped draft, and plain greedy
 decoding tokens/s of our runtime vs Hugging Face ``generate``, measured alternately."""
 
 from __future__ import annotations
@@ -26,6 +26,13 @@ def weight_bytes(target) -> int:
             total += lin.streamed_bytes
         total += (layer.input_norm.numel() + layer.post_norm.numel()) * size
     return total + target.lm_head.streamed_bytes
+
+
+def kv_bytes(target, context: int) -> int:
+    """Bytes of cached keys and values a forward reads at ``context`` cached tokens (every layer's
+    keys and values once; trees re-read them per row)."""
+    cfg = target.config
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * target.embed.element_size()
 
 
 def memory_floor_ms(nbytes: int, repeats: int) -> float:
@@ -141,6 +148,8 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
     jk = load(target_path, cache_dir=cache_dir)
     nbytes = weight_bytes(jk.target)
     floor = memory_floor_ms(nbytes, repeats)
+    cached = kv_bytes(jk.target, context)
+    floor_kv = memory_floor_ms(nbytes + cached, repeats)
     costs = forward_costs(jk.target, context, repeats)
     drafts = {m: draft_costs(jk, m, context, repeats) for m in ("eagle2", "jakiro")
               if target_path is None and shipped_draft(m)}
@@ -180,6 +189,9 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         "memory_floor_ms": round(floor, 2),
         "forward_ms": {str(n): round(ms, 2) for n, ms in costs.items()},
         "forward_x_floor": {str(n): round(ms / floor, 2) for n, ms in costs.items()},
+        "kv_cache_mb": round(cached / 1e6, 1),
+        "memory_floor_with_kv_ms": round(floor_kv, 2),
+        "t1_x_floor_with_kv": round(costs[1] / floor_kv, 2),
         "forward_x_t1": {str(n): round(ms / costs[1], 2) for n, ms in costs.items()},
         "draft_cost": drafts,
         "plain_decoding": {
