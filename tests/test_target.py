@@ -124,10 +124,10 @@ def test_tree_rows_match_decoding_alone_with_real_head_layouts(tmp_path, heads, 
         head_dim=head_dim, tie_word_embeddings=True))
     assert model._fused is not None
     prefix = torch.arange(2, 40)
-    tree = build_tree(torch.tensor([7, 9, 12, 11, 13, 15, 14, 20, 21, 22, 23]),
-                      torch.tensor([-1, 0, 0, 1, 2, 1, 4, 6, 7, 3, 9]))
+    tokens = torch.tensor([7, 9, 12, 11, 13, 15, 14, 20, 21, 22, 23])
+    parents = torch.tensor([-1, 0, 0, 1, 2, 1, 4, 6, 7, 3, 9])
     for n in (2, 3, 5, 11):
-        sub = build_tree(tree.tokens[:n], torch.tensor([-1, 0, 0, 1, 2, 1, 4, 6, 7, 3, 9])[:n])
+        sub = build_tree(tokens[:n], parents[:n])
         cache = prefilled(model, prefix, scratch=16)
         logits, _ = model(sub.tokens, cache, cache.length + sub.depths, sub.tree_mask)
         for path in sub.retrieve_paths:

@@ -123,7 +123,8 @@ def test_cross_entropy_weight_scales_only_the_token_term(tiny_setup):
     default, _ = draft_loss(draft, ids, feats, mask, steps=2)
     heavy, _ = draft_loss(draft, ids, feats, mask, steps=2, p_weight=1.0)
     # the loss is linear in the weight: feature term + w * cross-entropy term
-    ce_at_default = (default - feature_only) / 0.1
+    from jakiro.train.config import P_WEIGHT
+    ce_at_default = (default - feature_only) / P_WEIGHT
     torch.testing.assert_close(heavy, feature_only + ce_at_default, rtol=1e-4, atol=1e-4)
     assert float(ce_at_default) > 0
 

@@ -1,7 +1,8 @@
 """Target cost curve (forward time vs number of new tree tokens at a fixed context), judged
 against the machine's memory floor (the time to stream the target's weights once, measured in
-the same run; and the weights plus the KV cache at that context, which a forward also reads), the draft's cost per step and per cycle for each shipped draft, and plain greedy
-decoding tokens/s of our runtime vs Hugging Face ``generate``, measured alternately."""
+the same run; also the weights plus the KV cache at that context, which a forward reads too),
+the draft's cost per step and per cycle for each shipped draft, and plain greedy decoding
+tokens/s of our runtime vs Hugging Face ``generate``, measured alternately."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def kv_bytes(target, context: int) -> int:
     """Bytes of cached keys and values a forward reads at ``context`` cached tokens (every layer's
     keys and values once; trees re-read them per row)."""
     cfg = target.config
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * target.embed.element_size()
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * target.dtype.itemsize  # as new_cache
 
 
 def memory_floor_ms(nbytes: int, repeats: int) -> float:
