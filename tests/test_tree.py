@@ -179,6 +179,30 @@ def test_fused_mlp_head_topk_equals_heads_then_topk(tmp_path, limit):
         assert draft.mlp_head_topk(r, 1000, limit)[1].shape == (3, limit or 64)  # k beyond the head: all of it
 
 
+def test_draft_head_top_k_over_a_long_head_with_ties():
+    """The fused step's top-k skips blocks of logits that cannot enter it: over a head of
+    thousands of rows, with many exact ties, it picks what a stable descending sort of the same
+    logits puts first (ties: the lower row), with their log-softmax."""
+    from jakiro.models import smallgemm
+    from jakiro.models.linear import FastLinear
+    if not smallgemm.available():
+        pytest.skip("the small-batch kernels are not built here")
+    gen = torch.Generator().manual_seed(5)
+    d, inter, V, k = 64, 96, 3000, 6
+    base = torch.randn(40, d, generator=gen)
+    head = FastLinear(base[torch.randint(0, 40, (V,), generator=gen)])  # each logit repeated ~75 times
+    zero = lambda rows, cols: FastLinear(torch.zeros(rows, cols)).kernel_weight  # noqa: E731 - MLP adds nothing
+    r = torch.randn(9, d, generator=gen)
+    with torch.inference_mode():
+        feats, ids, logp = smallgemm.draft_mlp_head(r, torch.ones(d), zero(2 * inter, d), zero(d, inter), inter,
+                                                    head.kernel_weight, V, k, 1e-6)
+        logits = head(r)
+    torch.testing.assert_close(feats, r)
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert ids.tolist() == order.tolist()
+    torch.testing.assert_close(logp, logits.log_softmax(-1).gather(1, order), atol=1e-5, rtol=1e-5)
+
+
 def test_fused_first_expert_equals_the_decoupled_first_child(tmp_path):
     """A decoupled Jakiro node's first child comes from the expert the router ranks first: the
     fused call evaluates that expert only and gives its feature, token and log-prob."""

@@ -20,6 +20,11 @@ from ..models.linear import SMALL_ROWS, FastLinear
 from ..models.target import ROPE_SLACK, rope_tables
 from .config import DraftConfig
 
+# the tile kernel takes a draft's inputs as one byte per value and block of 32 (int8, as
+# llama.cpp's Q8 activations) rather than the target's three: a draft step's rows then cost a
+# third as much, and its proposals change slightly, never what is accepted
+INPUT_BYTES = 1
+
 
 class DraftHead:
     """The rows of the target's LM head that a draft scores: their target token ids [V'] in row
@@ -37,7 +42,7 @@ class DraftHead:
     @property
     def layer(self) -> FastLinear:
         if self._layer is None:
-            self._layer = FastLinear(self.weight, quantized=self._blocks)
+            self._layer = FastLinear(self.weight, quantized=self._blocks, input_bytes=INPUT_BYTES)
         return self._layer
 
 
@@ -215,7 +220,8 @@ class DraftModel(nn.Module):
             return None
         vocab = head.out_features
         feats, ids, logp = smallgemm.draft_mlp_head(r, self.post_norm.detach(), gate_up, down, c.intermediate_size,
-                                                    head.kernel_weight, vocab, min(k, vocab), c.rms_norm_eps)
+                                                    head.kernel_weight, vocab, min(k, vocab), c.rms_norm_eps,
+                                                    INPUT_BYTES)
         return feats, rows.ids[ids], logp
 
     def top_expert(self, r: torch.Tensor) -> int:
@@ -246,7 +252,7 @@ class DraftModel(nn.Module):
                 from ..models.quant import quantize_q8_0
                 blocks = ("q8_0", quantize_q8_0(weight))
             entry = self._fast[name] = (stamp, FastLinear(weight, None if bias is None else bias.detach(),
-                                                          quantized=blocks))
+                                                          quantized=blocks, input_bytes=INPUT_BYTES))
         return entry[1]
 
     def to_target_ids(self, draft_ids: torch.Tensor, head: "DraftHead | None" = None) -> torch.Tensor:
@@ -349,14 +355,15 @@ class DraftModel(nn.Module):
         layers = (self._fast_layer("fc", (self.fc.weight,), self.fc.bias),
                   self._fast_layer("qkv", (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
                   self._fast_layer("o", (self.o_proj.weight,)))
-        if any(layer.kernel_weight is None for layer in layers) or self.input_norm.dtype != torch.float32:
+        if (any(layer.kernel_weight is None for layer in layers) or self.input_norm.dtype != torch.float32
+                or self.embed.dtype != torch.float32 or not self.embed.is_contiguous()):
             return None
         cache.check_room(T)
-        x = torch.cat((F.embedding(token_ids[0], self.embed), features[0]), -1)
-        r = smallgemm.draft_attend(x, layers[0].kernel_weight, layers[0].bias, self.input_norm.detach(),
-                                   layers[1].kernel_weight, layers[2].kernel_weight, cache.data, cache.length,
-                                   self.rope_cos[position_ids], self.rope_sin[position_ids], attn_mask,
-                                   c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.head_dim ** -0.5)
+        r = smallgemm.draft_attend(features[0], token_ids[0], self.embed, layers[0].kernel_weight, layers[0].bias,
+                                   self.input_norm.detach(), layers[1].kernel_weight, layers[2].kernel_weight,
+                                   cache.data, cache.length, self.rope_cos, self.rope_sin, position_ids, attn_mask,
+                                   c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.head_dim ** -0.5,
+                                   INPUT_BYTES)
         return r.unsqueeze(0)
 
     def heads(self, r: torch.Tensor) -> DraftOutput:

@@ -34,12 +34,17 @@ class FastLinear:
     """y = x @ W^T (+ b) for x [rows, in]."""
 
     __slots__ = ("weight", "weight_t", "packed", "small", "quantized", "blocks", "bias", "out_features",
-                 "in_features", "element_size")
+                 "in_features", "element_size", "input_bytes")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, keep_weight: bool = False,
-                 quantized: tuple[str, torch.Tensor] | None = None):
+                 quantized: tuple[str, torch.Tensor] | None = None, input_bytes: int = 3):
         """``quantized``: (kind, blocks) of the same matrix in GGUF blocks (``models.quant``),
-        streamed instead of the float32 weight for up to ``SMALL_ROWS`` rows."""
+        streamed instead of the float32 weight for up to ``SMALL_ROWS`` rows; ``input_bytes``:
+        how the tile kernel takes the inputs for them (``smallgemm.quantized_linear``: 3 keeps
+        float32 accuracy, 1 is for drafts)."""
+        if input_bytes not in (1, 3):
+            raise ValueError(f"input_bytes must be 1 or 3, not {input_bytes}")
+        self.input_bytes = input_bytes
         # the plain [out, in] matrix is kept only where a caller needs it (the LM head, which
         # drafts reuse); a layer keeps two layouts of its weight, one per kernel it uses
         self.weight = weight if keep_weight else None
@@ -58,7 +63,7 @@ class FastLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if self.quantized is not None and rows <= SMALL_ROWS:
-            y = smallgemm.quantized_linear(x, self.blocks, self.out_features)
+            y = smallgemm.quantized_linear(x, self.blocks, self.out_features, self.input_bytes)
             return y if self.bias is None else y.add_(self.bias)
         if self.small is not None and rows <= SMALL_ROWS:
             return smallgemm.linear(x, self.small, self.out_features, self.bias)

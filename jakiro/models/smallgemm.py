@@ -120,9 +120,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return torch.ops.jakiro_smallgemm.linear(x, packed, out_features, bias)
 
 
-def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x @ W^T for W in GGUF blocks, packed by ``quant.pack_blocks`` or by ``tile_layout``."""
-    return torch.ops.jakiro_smallgemm.quantized_linear(x, blocks, out_features)
+def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, input_bytes: int = 3) -> torch.Tensor:
+    """x @ W^T for W in GGUF blocks, packed by ``quant.pack_blocks`` or by ``tile_layout``. The
+    tile kernel takes each input as ``input_bytes`` bytes per block of 32 values: 3 keeps float32
+    accuracy, 1 (int8 inputs, as llama.cpp's Q8 activations) costs a third per row and is for
+    drafts, whose proposals need not be exact; the portable kernel always computes in float32."""
+    return torch.ops.jakiro_smallgemm.quantized_linear(x, blocks, out_features, input_bytes)
 
 
 def tiles_enabled() -> bool:
@@ -156,14 +159,17 @@ def decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin, num_he
                                                            num_heads, num_kv_heads, eps, scale)
 
 
-def draft_attend(x, fc, fc_bias, norm, qkv, o, kv, past, cos, sin, mask, num_heads, num_kv_heads, eps, scale):
-    """A draft step's fusion layer and attention block in one call (``csrc/decoder.cpp``); see
-    ``DraftModel.attend``."""
-    return torch.ops.jakiro_smallgemm.draft_attend(x, fc, fc_bias, norm, qkv, o, kv, past, cos, sin, mask,
-                                                   num_heads, num_kv_heads, eps, scale)
+def draft_attend(features, tokens, embed, fc, fc_bias, norm, qkv, o, kv, past, cos_table, sin_table, positions,
+                 mask, num_heads, num_kv_heads, eps, scale, input_bytes=3):
+    """A draft step's fusion layer and attention block in one call (``csrc/decoder.cpp``): the
+    rows' token embeddings and rotary angles are gathered from ``embed`` and the tables there;
+    see ``DraftModel.attend``."""
+    return torch.ops.jakiro_smallgemm.draft_attend(features, tokens, embed, fc, fc_bias, norm, qkv, o, kv, past,
+                                                   cos_table, sin_table, positions, mask, num_heads, num_kv_heads,
+                                                   eps, scale, input_bytes)
 
 
-def draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps):
+def draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps, input_bytes=3):
     """The MLP, the head and its top-k of an EAGLE-2 draft step in one call (``csrc/decoder.cpp``);
     see ``DraftModel.mlp_head_topk``."""
-    return torch.ops.jakiro_smallgemm.draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps)
+    return torch.ops.jakiro_smallgemm.draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps, input_bytes)

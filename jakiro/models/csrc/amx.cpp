@@ -13,6 +13,12 @@
 // fewer significant bits than in float32). Weights are the GGUF blocks as they are
 // (4-bit or 8-bit q, per-block scale d and offset m): each block adds d * sum(q x) + m * sum(x).
 //
+// Drafts may ask for one byte per input instead (``input_bytes`` 1: X = round(x * 2^(7 - E))
+// clamped to [-127, 127], int8 per block of 32 as llama.cpp's Q8 activations): one byte row per
+// row, so a third of the tile stores and rescaling that grow with the rows, for a rounding of
+// up to 2^-6 of the block's largest value that changes a draft's proposals slightly, never what
+// verification accepts.
+//
 // Each output is computed by the same instructions whatever the number of rows (a row's
 // integer sums do not depend on the other rows of the tile), so a token's logits are bitwise the
 // same alone and in a tree.
@@ -43,7 +49,6 @@ namespace {
 
 using jakiro::QB;  // inputs per block
 constexpr int64_t G = 16;    // output columns per tile
-constexpr int64_t PIECES = 3;
 constexpr int MAX_ROWS = 16;  // rows per pass (3 x 16 byte rows fill three tiles)
 
 constexpr int64_t amx_bytes(bool q4) { return q4 ? 2 * G * 4 + G * QB / 2 : G * 4 + G * QB; }
@@ -90,9 +95,15 @@ void configure(int64_t byte_rows) {
   asm volatile("ldtilecfg %0" ::"m"(c));
 }
 
-// x [M, K] -> per block: byte rows [PIECES * M][32] (piece-major), scale 2^(E - 22) and sum(x)
+// x [M, K] -> per block: byte rows [P * M][32] (piece-major), scale 2^(E - S) and sum(x).
+// P = 3: X = round(x * 2^(22 - E)) in three balanced bytes (exact to float32 rounding, above);
+// P = 1: one byte, X = round(x * 2^(7 - E)) clamped to [-127, 127] (int8 inputs per block of 32,
+// as llama.cpp's Q8 activations: for a draft, whose proposals need not be exact)
+template <int P>
 void prepare(const float* x, int64_t M, int64_t K, int8_t* bytes, float* scale, float* sums) {
-  const int64_t nb = K / QB, R = PIECES * M;
+  static_assert(P == 1 || P == 3, "one or three bytes per input");
+  constexpr int S = P == 3 ? 22 : 7;
+  const int64_t nb = K / QB, R = P * M;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
       const __m512 lo = _mm512_loadu_ps(x + m * K + b * QB), hi = _mm512_loadu_ps(x + m * K + b * QB + 16);
@@ -103,15 +114,20 @@ void prepare(const float* x, int64_t M, int64_t K, int8_t* bytes, float* scale, 
       if (!(amax > 0) || !std::isfinite(amax) || !std::isfinite(sum)) {
         // zeros; or a non-finite input (the maximum may skip a NaN, the sum does not), which
         // makes the block's outputs NaN as in float32 arithmetic
-        for (int64_t p = 0; p < PIECES; ++p) std::memset(row + (p * M + m) * QB, 0, QB);
+        for (int64_t p = 0; p < P; ++p) std::memset(row + (p * M + m) * QB, 0, QB);
         scale[m * nb + b] = std::isfinite(sum) && !(amax > 0) ? 0.0f : NAN;
         continue;
       }
       const int e = std::ilogb(amax) + 1;  // amax < 2^e
-      const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, 22 - e));
-      scale[m * nb + b] = std::ldexp(1.0f, e - 22);
+      const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, S - e));
+      scale[m * nb + b] = std::ldexp(1.0f, e - S);
       for (int64_t h = 0; h < 2; ++h) {
-        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, up));  // |X| <= 2^22
+        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, up));  // |X| <= 2^S
+        if constexpr (P == 1) {
+          const __m512i c = _mm512_max_epi32(_mm512_min_epi32(X, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + m * QB + 16 * h), _mm512_cvtepi32_epi8(c));
+          continue;
+        }
         // balanced digits: a2 * 2^8 + a3 spans [-32896, 32639], so a1 = floor((X + 32896) / 2^16)
         const __m512i a1 = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(32896)), 16);
         const __m512i r1 = _mm512_sub_epi32(X, _mm512_slli_epi32(a1, 16));
@@ -181,16 +197,16 @@ inline __m512 accumulate(__m512 acc, __m512 v, const uint8_t* grp, float scale, 
 
 // output column groups [g0, g1), KG at a time, for M rows (3M byte rows in TA tiles; M is a
 // constant so that the rows' sums stay in registers)
-template <bool Q4, int M, int TA, int KG>
+template <bool Q4, int P, int M, int TA, int KG>
 void columns(const int8_t* bytes, const float* scale, const float* sums, int64_t nb, const uint8_t* w, int64_t g0,
              int64_t g1, float* y, int64_t N) {
   constexpr int64_t BB = amx_bytes(Q4);
   const int64_t sp = (g1 - g0) / KG;  // the KG groups in flight come from KG equal spans
-  const int64_t R = PIECES * M;
+  const int64_t R = P * M;
   // Q4_1: the weight tiles' bytes, unpacked one block ahead (a tile load waits for the stores
   // that wrote its bytes to retire; unpacking the next block while this one multiplies hides it)
   alignas(64) uint8_t wtile[2][KG][QB / 4 * 64];
-  alignas(64) int32_t sums32[KG][PIECES * M * G];
+  alignas(64) int32_t sums32[KG][P * M * G];
   const auto unpack = [&](int64_t g, int64_t b) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < KG; ++j) {
@@ -233,8 +249,10 @@ void columns(const int8_t* bytes, const float* scale, const float* sums, int64_t
       unroll<KG>([&](auto j) {
         const uint8_t* grp = w + ((g + j * sp) * nb + b) * BB;
         for (int m = 0; m < M; ++m) {
-          const __m512 v = combine<Q4>(_mm512_load_si512(sums32[j] + m * G), _mm512_load_si512(sums32[j] + (M + m) * G),
-                                       _mm512_load_si512(sums32[j] + (2 * M + m) * G));
+          const __m512 v = P == 1 ? _mm512_cvtepi32_ps(_mm512_load_si512(sums32[j] + m * G))
+                                  : combine<Q4>(_mm512_load_si512(sums32[j] + m * G),
+                                                _mm512_load_si512(sums32[j] + (M + m) * G),
+                                                _mm512_load_si512(sums32[j] + (2 * M + m) * G));
           acc[j][m] = accumulate<Q4>(acc[j][m], v, grp, scale[m * nb + b], sums[m * nb + b]);
         }
       });
@@ -244,19 +262,39 @@ void columns(const int8_t* bytes, const float* scale, const float* sums, int64_t
   }
 }
 
-template <bool Q4, int M>
+template <bool Q4, int P, int M>
 void column_range(const int8_t* bytes, const float* scale, const float* sums, int64_t nb, const uint8_t* w, int64_t g0,
                   int64_t g1, float* y, int64_t N) {
-  constexpr int TA = (PIECES * M + 15) / 16, KG = TA == 1 ? 3 : TA == 2 ? 2 : 1;
+  constexpr int TA = (P * M + 15) / 16, KG = TA == 1 ? 3 : TA == 2 ? 2 : 1;
   const int64_t full = g0 + (g1 - g0) / KG * KG;
-  columns<Q4, M, TA, KG>(bytes, scale, sums, nb, w, g0, full, y, N);
-  if (full < g1) columns<Q4, M, TA, 1>(bytes, scale, sums, nb, w, full, g1, y, N);
+  columns<Q4, P, M, TA, KG>(bytes, scale, sums, nb, w, g0, full, y, N);
+  if (full < g1) columns<Q4, P, M, TA, 1>(bytes, scale, sums, nb, w, full, g1, y, N);
 }
 
-template <bool Q4, int... I>
+template <bool Q4, int P, int... I>
 void column_dispatch(std::integer_sequence<int, I...>, const int8_t* bytes, const float* scale, const float* sums,
                      int64_t M, int64_t nb, const uint8_t* w, int64_t g0, int64_t g1, float* y, int64_t N) {
-  ((M == I + 1 ? (column_range<Q4, I + 1>(bytes, scale, sums, nb, w, g0, g1, y, N), true) : false) || ...);
+  ((M == I + 1 ? (column_range<Q4, P, I + 1>(bytes, scale, sums, nb, w, g0, g1, y, N), true) : false) || ...);
+}
+
+template <int P>
+void tile_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y) {
+  const bool q4 = w.size(2) == amx_bytes(true);
+  const int64_t nb = K / QB;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+    const int64_t rows = std::min<int64_t>(MAX_ROWS, M - m0);
+    std::vector<int8_t> bytes(nb * P * rows * QB);
+    std::vector<float> scale(rows * nb), sums(rows * nb);
+    prepare<P>(x + m0 * K, rows, K, bytes.data(), scale.data(), sums.data());
+    at::parallel_for(0, N / G, 4, [&](int64_t g0, int64_t g1) {
+      constexpr auto all_rows = std::make_integer_sequence<int, MAX_ROWS>{};
+      if (q4)
+        column_dispatch<true, P>(all_rows, bytes.data(), scale.data(), sums.data(), rows, nb, wp, g0, g1, y + m0 * N, N);
+      else
+        column_dispatch<false, P>(all_rows, bytes.data(), scale.data(), sums.data(), rows, nb, wp, g0, g1, y + m0 * N, N);
+    });
+  }
 }
 
 bool request_tiles() {
@@ -310,24 +348,14 @@ at::Tensor amx_pack(const at::Tensor& blocks) {
   return packed;
 }
 
-void amx_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y) {
+void amx_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
+                     int64_t input_bytes) {
+  TORCH_CHECK(input_bytes == 1 || input_bytes == 3, "the AMX kernel takes inputs as 1 or 3 bytes");
 #if defined(JAKIRO_AMX)
-  const bool q4 = w.size(2) == amx_bytes(true);
-  const int64_t nb = K / QB;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-    const int64_t rows = std::min<int64_t>(MAX_ROWS, M - m0);
-    std::vector<int8_t> bytes(nb * PIECES * rows * QB);
-    std::vector<float> scale(rows * nb), sums(rows * nb);
-    prepare(x + m0 * K, rows, K, bytes.data(), scale.data(), sums.data());
-    at::parallel_for(0, N / G, 4, [&](int64_t g0, int64_t g1) {
-      constexpr auto all_rows = std::make_integer_sequence<int, MAX_ROWS>{};
-      if (q4)
-        column_dispatch<true>(all_rows, bytes.data(), scale.data(), sums.data(), rows, nb, wp, g0, g1, y + m0 * N, N);
-      else
-        column_dispatch<false>(all_rows, bytes.data(), scale.data(), sums.data(), rows, nb, wp, g0, g1, y + m0 * N, N);
-    });
-  }
+  if (input_bytes == 1)
+    tile_rows<1>(x, M, K, w, N, y);
+  else
+    tile_rows<3>(x, M, K, w, N, y);
 #else
   TORCH_CHECK(false, "this build has no AMX kernel");
 #endif

@@ -389,10 +389,11 @@ constexpr int64_t PARALLEL_WORK = int64_t(1) << 16;
 
 // x [n, d] += o(attention(rmsnorm(x))), writing the new keys and values at past..past+n-1
 void attention_block(float* x, const Shape& S, const AttentionWeights& w, const LayerCache& c, int64_t past,
-                     const float* cos, const float* sin, const std::vector<Visible>& vis, const Scratch& s) {
+                     const float* cos, const float* sin, const std::vector<Visible>& vis, const Scratch& s,
+                     int64_t input_bytes = 3) {
   const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv, D = S.D, NQKV = S.qkv(), g = H / Hkv;
   for (int64_t r = 0; r < n; ++r) rmsnorm(x + r * d, w.norm, s.h + r * d, d, S.eps);
-  jakiro::apply_linear(*w.qkv, NQKV, w.qkv_bias, s.h, n, d, s.qkv);
+  jakiro::apply_linear(*w.qkv, NQKV, w.qkv_bias, s.h, n, d, s.qkv, input_bytes);
   for (int64_t r = 0; r < n; ++r) {
     float* row = s.qkv + r * NQKV;
     for (int64_t a = 0; a < H + Hkv; ++a) {
@@ -420,16 +421,16 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
                  c.row_stride, vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + t * ld);
     }
   });
-  jakiro::apply_linear(*w.o, d, nullptr, s.o, n, H * D, s.y);
+  jakiro::apply_linear(*w.o, d, nullptr, s.o, n, H * D, s.y, input_bytes);
   for (int64_t i = 0; i < n * d; ++i) x[i] += s.y[i];
 }
 
 // x [n, d] += down(silu(gate) * up) of rmsnorm(x); gu [n, 2 inter], act [n, inter] scratch
 void mlp_block(float* x, const Shape& S, const float* norm, const at::Tensor& gate_up, const at::Tensor& down,
-               float* y, float* gu, float* act) {
+               float* y, float* gu, float* act, int64_t input_bytes = 3) {
   const int64_t n = S.n, d = S.d, I = S.inter;
   for (int64_t r = 0; r < n; ++r) rmsnorm(x + r * d, norm, y + r * d, d, S.eps);
-  jakiro::apply_linear(gate_up, 2 * I, nullptr, y, n, d, gu);
+  jakiro::apply_linear(gate_up, 2 * I, nullptr, y, n, d, gu, input_bytes);
   for (int64_t r = 0; r < n; ++r) {
     const float* gate = gu + r * 2 * I;
     const float* up = gate + I;
@@ -438,7 +439,7 @@ void mlp_block(float* x, const Shape& S, const float* norm, const at::Tensor& ga
     for (; i + VL <= I; i += VL) store(a + i, silu_times(load(gate + i), load(up + i)));
     for (; i < I; ++i) a[i] = gate[i] / (1.f + sexp(-gate[i])) * up[i];
   }
-  jakiro::apply_linear(down, d, nullptr, act, n, I, y);
+  jakiro::apply_linear(down, d, nullptr, act, n, I, y, input_bytes);
   for (int64_t i = 0; i < n * d; ++i) x[i] += y[i];
 }
 
@@ -573,24 +574,49 @@ at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::o
 // A draft's fusion layer and attention block (EAGLE's fc over [embedding, feature], then a
 // decoder layer's attention half) for the rows of one draft step: r [n, d]. ``mask`` [n, past + n]
 // says which cache entries each row sees (the committed context and its tree ancestors).
-at::Tensor draft_attend(const at::Tensor& x_in, const at::Tensor& fc, const c10::optional<at::Tensor>& fc_bias,
-                        const at::Tensor& norm, const at::Tensor& qkv, const at::Tensor& o, const at::Tensor& kv,
-                        int64_t past, const at::Tensor& cos, const at::Tensor& sin,
-                        const c10::optional<at::Tensor>& mask, int64_t H, int64_t Hkv, double eps, double scale) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "draft_attend: x must be [n, 2d] float32");
-  auto xc = x_in.contiguous();
-  const int64_t n = xc.size(0), d = norm.numel();
+at::Tensor draft_attend(const at::Tensor& features, const at::Tensor& tokens, const at::Tensor& embed,
+                        const at::Tensor& fc, const c10::optional<at::Tensor>& fc_bias, const at::Tensor& norm,
+                        const at::Tensor& qkv, const at::Tensor& o, const at::Tensor& kv, int64_t past,
+                        const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions,
+                        const c10::optional<at::Tensor>& mask, int64_t H, int64_t Hkv, double eps, double scale,
+                        int64_t input_bytes) {
+  const int64_t d = norm.numel();
+  TORCH_CHECK(features.dim() == 2 && features.size(1) == d && features.scalar_type() == at::kFloat,
+              "draft_attend: features must be [n, d] float32");
+  const int64_t n = features.size(0);
+  TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == n && tokens.scalar_type() == at::kLong &&
+                  positions.dim() == 1 && positions.size(0) == n && positions.scalar_type() == at::kLong,
+              "draft_attend: tokens and positions must be [n] int64");
+  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+              "draft_attend: embed must be [V, d] float32");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "draft_attend: head layout");
   check_cache(kv, 1, Hkv, past, n);
   Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
-  check_rope(cos, sin, n, S.D);
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == S.D && cos_table.is_contiguous() &&
+                  sin_table.sizes() == cos_table.sizes() && sin_table.is_contiguous() &&
+                  cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat,
+              "draft_attend: cos/sin tables must be [positions, head_dim] float32");
   const float* bias = optional_data(fc_bias);
-  TORCH_CHECK(jakiro::valid_linear(fc, d, xc.size(1)) && jakiro::valid_linear(qkv, S.qkv(), d) &&
+  TORCH_CHECK(jakiro::valid_linear(fc, d, 2 * d) && jakiro::valid_linear(qkv, S.qkv(), d) &&
                   jakiro::valid_linear(o, d, H * S.D) && (!bias || fc_bias->numel() == d),
               "draft_attend: a weight the kernels cannot take");
-  auto opts = xc.options();
+  // the fusion layer's input: [embedding of the next token, feature] per row, and each row's
+  // rotary angles, gathered here rather than by three tensor operations of the caller
+  auto opts = features.options();
+  auto xin = at::empty({n, 2 * d}, opts), cos = at::empty({n, S.D}, opts), sin = at::empty({n, S.D}, opts);
+  const auto fin = features.contiguous();
+  const auto tok = tokens.contiguous(), pos = positions.contiguous();
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = tok.data_ptr<int64_t>()[r], p = pos.data_ptr<int64_t>()[r];
+    TORCH_CHECK(t >= 0 && t < embed.size(0), "draft_attend: token id ", t, " outside the embedding");
+    TORCH_CHECK(p >= 0 && p < cos_table.size(0), "draft_attend: position ", p, " beyond the rotary tables");
+    std::memcpy(xin.data_ptr<float>() + r * 2 * d, embed.data_ptr<float>() + t * d, d * sizeof(float));
+    std::memcpy(xin.data_ptr<float>() + r * 2 * d + d, fin.data_ptr<float>() + r * d, d * sizeof(float));
+    std::memcpy(cos.data_ptr<float>() + r * S.D, cos_table.data_ptr<float>() + p * S.D, S.D * sizeof(float));
+    std::memcpy(sin.data_ptr<float>() + r * S.D, sin_table.data_ptr<float>() + p * S.D, S.D * sizeof(float));
+  }
   auto x = at::empty({n, d}, opts);
-  jakiro::apply_linear(fc, d, bias, xc.data_ptr<float>(), n, xc.size(1), x.data_ptr<float>());
+  jakiro::apply_linear(fc, d, bias, xin.data_ptr<float>(), n, 2 * d, x.data_ptr<float>(), input_bytes);
   const auto vis = visibility(mask, n, past, true);
   auto h = at::empty({n, d}, opts), ob = at::empty({n, H * S.D}, opts), qb = at::empty({n, S.qkv()}, opts);
   auto y = at::empty({n, d}, opts), scores = at::empty({n * Hkv, (H / Hkv) * (past + n)}, opts);
@@ -598,7 +624,7 @@ at::Tensor draft_attend(const at::Tensor& x_in, const at::Tensor& fc, const c10:
                         scores.data_ptr<float>(), past + n};
   const AttentionWeights w{norm.data_ptr<float>(), &qkv, nullptr, &o, nullptr, nullptr};
   attention_block(x.data_ptr<float>(), S, w, layer_cache(kv, 0), past, cos.data_ptr<float>(), sin.data_ptr<float>(),
-                  vis, scratch);
+                  vis, scratch, input_bytes);
   return x;
 }
 
@@ -606,10 +632,59 @@ at::Tensor draft_attend(const at::Tensor& x_in, const at::Tensor& fc, const c10:
 // out = r + down(silu(gate) * up) of rmsnorm(r), then the head's logits over its ``V`` rows and,
 // per row, the ``k`` best entries with their log-probabilities (largest first, the lower index
 // first among equal logits). One call instead of a dozen framework operations per step.
+// whether any lane is set (true: -1, as vector comparisons give)
+inline bool any_lane(vi m) {
+  typedef int32_t vi8 __attribute__((vector_size(8 * sizeof(int32_t))));
+  typedef int32_t vi4 __attribute__((vector_size(4 * sizeof(int32_t))));
+  const vi8 a = __builtin_shufflevector(m, m, 0, 1, 2, 3, 4, 5, 6, 7) | __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15);
+  vi4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) | __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  b |= __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  b |= __builtin_shufflevector(b, b, 1, 0, 3, 2);
+  return b[0] != 0;
+}
+
+// the k largest of z[0..V) (ties: the lower index first; NaN never taken) as indices and their
+// log-probabilities under softmax(z). Insertion into a sorted list of k, with 64 entries at a time
+// skipped while none beats the k-th best (after the first few hundred almost every block): the
+// same choice, in the same order, as one scalar pass.
+void top_k_logp(const float* z, int64_t V, int64_t k, int64_t* best, int64_t* ids, float* logp) {
+  int64_t have = 0;
+  auto offer = [&](int64_t i) {
+    if (have == k && !(z[i] > z[best[k - 1]])) return;
+    int64_t j = have < k ? have++ : k - 1;
+    while (j > 0 && z[i] > z[best[j - 1]]) {
+      best[j] = best[j - 1];
+      --j;
+    }
+    best[j] = i;
+  };
+  constexpr int64_t BLOCK = 4 * VL;
+  int64_t i = 0;
+  for (; i < V && (have < k || i % BLOCK); ++i) offer(i);
+  for (; i + BLOCK <= V; i += BLOCK) {
+    const vf t = vf{} + z[best[k - 1]];  // a lane offer would take beats this (a NaN lane never does)
+    if (!any_lane((load(z + i) > t) | (load(z + i + VL) > t) | (load(z + i + 2 * VL) > t) | (load(z + i + 3 * VL) > t)))
+      continue;
+    for (int64_t j = i; j < i + BLOCK; ++j) offer(j);
+  }
+  for (; i < V; ++i) offer(i);
+  const float top = z[best[0]];
+  vf acc = vf{};
+  i = 0;
+  for (; i + VL <= V; i += VL) acc += vexp(load(z + i) - top);
+  float sum = hsum(acc);
+  for (; i < V; ++i) sum += sexp(z[i] - top);
+  const float lse = top + std::log(sum);
+  for (int64_t j = 0; j < k; ++j) {
+    ids[j] = best[j];
+    logp[j] = z[best[j]] - lse;
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_mlp_head(const at::Tensor& r_in, const at::Tensor& norm,
                                                               const at::Tensor& gate_up, const at::Tensor& down,
                                                               int64_t inter, const at::Tensor& head, int64_t V,
-                                                              int64_t k, double eps) {
+                                                              int64_t k, double eps, int64_t input_bytes) {
   TORCH_CHECK(r_in.dim() == 2 && r_in.scalar_type() == at::kFloat, "draft_mlp_head: r must be [n, d] float32");
   auto out = r_in.contiguous().clone();
   const int64_t n = out.size(0), d = out.size(1);
@@ -623,37 +698,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_mlp_head(const at::Tensor& 
   auto opts = out.options();
   auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * inter}, opts), act = at::empty({n, inter}, opts);
   mlp_block(out.data_ptr<float>(), S, norm.data_ptr<float>(), gate_up, down, y.data_ptr<float>(),
-            gu.data_ptr<float>(), act.data_ptr<float>());
+            gu.data_ptr<float>(), act.data_ptr<float>(), input_bytes);
   auto logits = at::empty({n, V}, opts);
-  jakiro::apply_linear(head, V, nullptr, out.data_ptr<float>(), n, d, logits.data_ptr<float>());
+  jakiro::apply_linear(head, V, nullptr, out.data_ptr<float>(), n, d, logits.data_ptr<float>(), input_bytes);
   auto ids = at::empty({n, k}, opts.dtype(at::kLong));
   auto logp = at::empty({n, k}, opts);
-  std::vector<int64_t> best(k);
-  for (int64_t row = 0; row < n; ++row) {
-    const float* z = logits.data_ptr<float>() + row * V;
-    // the k best by insertion (k is a handful: one pass, almost every entry rejected at once)
-    int64_t have = 0;
-    for (int64_t i = 0; i < V; ++i) {
-      if (have == k && !(z[i] > z[best[k - 1]])) continue;
-      int64_t j = have < k ? have++ : k - 1;
-      while (j > 0 && z[i] > z[best[j - 1]]) {
-        best[j] = best[j - 1];
-        --j;
-      }
-      best[j] = i;
-    }
-    const float top = z[best[0]];
-    vf acc = vf{};
-    int64_t i = 0;
-    for (; i + VL <= V; i += VL) acc += vexp(load(z + i) - top);
-    float sum = hsum(acc);
-    for (; i < V; ++i) sum += sexp(z[i] - top);
-    const float lse = top + std::log(sum);
-    for (int64_t j = 0; j < k; ++j) {
-      ids.data_ptr<int64_t>()[row * k + j] = best[j];
-      logp.data_ptr<float>()[row * k + j] = z[best[j]] - lse;
-    }
-  }
+  const float* z0 = logits.data_ptr<float>();
+  int64_t* ids0 = ids.data_ptr<int64_t>();
+  float* logp0 = logp.data_ptr<float>();
+  // rows in parallel: each is a top-k and a log-sum-exp over the head's V logits (a fifth of the
+  // step with the rows one after another)
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> best(k);
+    for (int64_t row = r0; row < r1; ++row) top_k_logp(z0 + row * V, V, k, best.data(), ids0 + row * k, logp0 + row * k);
+  });
   return {out, ids, logp};
 }
 
@@ -666,10 +724,11 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("decoder_layers_batch(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, Tensor lengths, "
         "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
         decoder_layers_batch);
-  m.def("draft_attend(Tensor x, Tensor fc, Tensor? fc_bias, Tensor norm, Tensor qkv, Tensor o, Tensor kv, int past, "
-        "Tensor cos, Tensor sin, Tensor? mask, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
+  m.def("draft_attend(Tensor features, Tensor tokens, Tensor embed, Tensor fc, Tensor? fc_bias, Tensor norm, "
+        "Tensor qkv, Tensor o, Tensor kv, int past, Tensor cos_table, Tensor sin_table, Tensor positions, "
+        "Tensor? mask, int num_heads, int num_kv_heads, float eps, float scale, int input_bytes=3) -> Tensor",
         draft_attend);
   m.def("draft_mlp_head(Tensor r, Tensor norm, Tensor gate_up, Tensor down, int inter, Tensor head, int V, int k, "
-        "float eps) -> (Tensor, Tensor, Tensor)",
+        "float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
         draft_mlp_head);
 }

@@ -39,8 +39,11 @@ inline float hsum(vf v) {
 // y [M, N] = x [M, K] @ W^T (+ bias) for a weight packed by ``pack`` ([N/16][K][16] float32)
 void linear_rows(const float* x, int64_t M, int64_t K, const float* packed, int64_t N, const float* bias, float* y);
 
-// the same for a weight held as packed float32 or as GGUF blocks ([N][K/32][block], uint8)
-void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float* x, int64_t M, int64_t K, float* y);
+// the same for a weight held as packed float32 or as GGUF blocks ([N][K/32][block], uint8);
+// input_bytes: how the AMX kernel takes x (3: exact to float32 rounding; 1: one byte per input
+// and block of 32, for drafts), ignored by the other kernels
+void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float* x, int64_t M, int64_t K, float* y,
+                  int64_t input_bytes = 3);
 
 // whether ``w`` is a weight ``apply_linear`` takes for N outputs and K inputs
 bool valid_linear(const at::Tensor& w, int64_t N, int64_t K);
@@ -51,6 +54,7 @@ bool valid_linear(const at::Tensor& w, int64_t N, int64_t K);
 bool amx_usable();
 at::Tensor amx_pack(const at::Tensor& blocks);
 bool amx_weight(const at::Tensor& w);
-void amx_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y);
+void amx_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
+                     int64_t input_bytes);
 
 }  // namespace jakiro

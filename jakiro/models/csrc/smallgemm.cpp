@@ -422,13 +422,15 @@ void qlinear_rows(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int6
 
 namespace jakiro {
 
-void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float* x, int64_t M, int64_t K, float* y) {
+void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float* x, int64_t M, int64_t K, float* y,
+                  int64_t input_bytes) {
+  TORCH_CHECK(input_bytes == 1 || input_bytes == 3, "inputs go to the tile kernel as 1 or 3 bytes");
   if (w.scalar_type() == at::kFloat) {
     linear_rows(x, M, K, w.data_ptr<float>(), N, bias, y);
     return;
   }
   if (amx_weight(w))
-    amx_linear_rows(x, M, K, w, N, y);
+    amx_linear_rows(x, M, K, w, N, y, input_bytes);
   else if (w.size(2) == block_bytes<true>())
     qlinear_rows<true>(x, M, K, w.data_ptr<uint8_t>(), N, y);
   else
@@ -451,15 +453,15 @@ bool valid_linear(const at::Tensor& w, int64_t N, int64_t K) {
 namespace {
 
 // y [M, N] = x [M, K] @ W^T for W in GGUF blocks, in the layout of the portable kernel
-// ([N][K/32][bytes]) or of the AMX kernel (``amx_pack``)
-at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, int64_t N) {
+// ([N][K/32][bytes]) or of the AMX kernel (``amx_pack``, which takes x as ``input_bytes`` bytes)
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t input_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quantized linear: x must be [rows, in] float32");
   TORCH_CHECK(w.scalar_type() == at::kByte && jakiro::valid_linear(w, N, x.size(1)),
               "quantized linear: the packed blocks do not match x");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
   auto y = at::empty({M, N}, xc.options());
-  if (M > 0) jakiro::apply_linear(w, N, nullptr, xc.data_ptr<float>(), M, K, y.data_ptr<float>());
+  if (M > 0) jakiro::apply_linear(w, N, nullptr, xc.data_ptr<float>(), M, K, y.data_ptr<float>(), input_bytes);
   return y;
 }
 
@@ -470,7 +472,7 @@ bool amx_usable() { return jakiro::amx_usable(); }
 TORCH_LIBRARY(jakiro_smallgemm, m) {
   m.def("pack(Tensor weight) -> Tensor", pack);
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", linear);
-  m.def("quantized_linear(Tensor x, Tensor blocks, int n) -> Tensor", quantized_linear);
+  m.def("quantized_linear(Tensor x, Tensor blocks, int n, int input_bytes=3) -> Tensor", quantized_linear);
   m.def("amx_usable() -> bool", amx_usable);
   m.def("amx_pack(Tensor blocks) -> Tensor", jakiro::amx_pack);
 }
