@@ -226,20 +226,38 @@ def test_fused_first_expert_equals_the_decoupled_first_child(tmp_path):
     assert len(experts) > 1  # the router's choice matters, and was followed
 
 
-@pytest.mark.parametrize("method,top_k", [("eagle2", 3), ("eagle2", 1), ("jakiro", 1)])
-def test_trees_with_and_without_the_fused_kernel_agree(tmp_path, monkeypatch, method, top_k):
-    """The fused expert-head-top-k call only changes how a step is computed: the same trees as
-    the per-operation path (the draft's ``heads``, then its head and top-k)."""
+@pytest.mark.parametrize("method,top_k,overrides", [
+    ("eagle2", 3, {}), ("eagle2", 1, {}),
+    ("jakiro", 1, {"parallel_decoding": False}),  # a decoupled chain: the router's first expert only
+    ("jakiro", 1, {}),  # a chain with the contrastive branch last
+    ("jakiro", 3, {}),  # decoupled children of both experts, 2 + 1
+    ("jakiro", 4, {"num_experts": 4, "experts_per_token": 2}),  # each row its own two of four experts
+    ("jakiro", 5, {"num_experts": 3, "experts_per_token": 3, "parallel_decoding": False}),
+])
+def test_trees_with_and_without_the_fused_kernel_agree(tmp_path, monkeypatch, method, top_k, overrides):
+    """The fused calls (one expert, the head and its top-k; or every activated expert and its
+    share of the children) only change how a step is computed: the same trees as the
+    per-operation path (the draft's ``heads``, then its head and top-k)."""
     from jakiro.draft import DraftModel
-    overrides = {"parallel_decoding": False} if method == "jakiro" else {}
+    from jakiro.models import smallgemm
+    if not smallgemm.available():
+        pytest.skip("the small-batch kernels are not built here")
     target, draft = _tiny_jakiro(tmp_path, method=method, **overrides)
     prompt = torch.arange(2, 22)
+    calls = []
+    fused_experts = DraftModel.experts_topk
+    monkeypatch.setattr(DraftModel, "experts_topk", lambda self, *a: calls.append(a[1]) or fused_experts(self, *a))
     trees = []
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(DraftModel, "mlp_head_topk", lambda self, *a: None)
+            monkeypatch.setattr(DraftModel, "experts_topk", lambda self, *a: None)
         proposer = DraftProposer(draft, TreeBudget(depth=3, top_k=top_k, total_tokens=6))
         trees.append(proposer.propose(_start(proposer, target, prompt)))
     assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
     assert trees[0].parents.tolist() == trees[1].parents.tolist()
     torch.testing.assert_close(trees[0].scores, trees[1].scores, atol=1e-5, rtol=1e-5)
+    decoupled_wide = method == "jakiro" and (top_k > 1 or overrides.get("parallel_decoding", True))
+    assert bool(calls) == decoupled_wide  # the several-expert call ran where it applies
+    if method == "jakiro" and top_k == 3 and not overrides:
+        assert calls[0] == [2, 1]

@@ -214,7 +214,7 @@ class DraftProposer(Proposer):
         if self.mode == "decoupled":
             feats = out.features[0, rows]  # [F, K, d]
             n_exp = feats.shape[1]
-            quotas = [k // n_exp + (1 if j < k % n_exp else 0) for j in range(n_exp)]
+            quotas = _quotas(k, n_exp)
             active = [j for j in range(n_exp) if quotas[j] > 0]
             logp = draft.head_logits(feats[:, active], self.head).log_softmax(-1)  # [F, A, Vd]
             toks, lps, carried = [], [], []
@@ -284,10 +284,11 @@ class DraftProposer(Proposer):
         scores: list[float] = [0.0]
         normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
         for layer in range(normal_layers):
-            tok, logp, carried, out = self._expand(r, 1)
+            last = layer == normal_layers - 1
+            tok, logp, carried, out = self._expand(r, 1, need_out=last and self.parallel and depth >= 2)
             tokens.append(int(tok))
             scores.append(scores[-1] + float(logp))
-            if layer == normal_layers - 1:
+            if last:
                 if self.parallel and depth >= 2:
                     con_tok, con_logp = self._contrastive_children(out, torch.zeros(1, dtype=torch.long), 1)
                     tokens.append(int(con_tok))
@@ -304,13 +305,14 @@ class DraftProposer(Proposer):
         tree.sources = torch.tensor([0] + [DRAFT] * n)
         return tree
 
-    def _expand(self, r: torch.Tensor, k: int):
+    def _expand(self, r: torch.Tensor, k: int, need_out: bool = False):
         """The top-k children of each forwarded row of residual rows r [1, F, d]: (tokens [F, k],
-        log-probs [F, k], the features they carry [F, k, d], the draft output, or None where the
+        log-probs [F, k], the features they carry [F, k, d], the draft output, or None where a
         fused kernel ran). EAGLE-2's one MLP, and a decoupled Jakiro node's only child (proposed
         by the expert the router ranks first, whose output it carries), take one kernel call for
-        the expert, the head and its top-k: the other experts are not evaluated. The contrastive
-        branch, blended candidates and several decoupled children need every activated expert
+        the expert, the head and its top-k: the other experts are not evaluated. Decoupled
+        children of several experts take one call too (``DraftModel.experts_topk``). The
+        contrastive branch (``need_out``) and blended candidates need the whole draft output
         (``heads``)."""
         single = self.mode == "single"
         if single or (self.mode == "decoupled" and not self.parallel and k == 1 and r.shape[1] == 1):
@@ -318,6 +320,13 @@ class DraftProposer(Proposer):
             if fused is not None:
                 feats, tokens, logp = fused
                 return tokens, logp, feats.unsqueeze(1).expand(-1, tokens.shape[1], -1), None
+        elif self.mode == "decoupled" and not need_out:
+            quotas = [q for q in _quotas(k, self.draft.config.experts_per_token) if q > 0]
+            fused = self.draft.experts_topk(r[0], quotas, self.head)
+            if fused is not None:
+                feats, tokens, logp = fused  # [F, A, d], [F, k], [F, k]
+                carried = torch.cat([feats[:, a:a + 1].expand(-1, q, -1) for a, q in enumerate(quotas)], 1)
+                return tokens, logp, carried, None
         out = self.draft.heads(r)
         return (*self._children(out, torch.arange(r.shape[1]), k), out)
 
@@ -333,10 +342,11 @@ class DraftProposer(Proposer):
         n_slots = 0
         normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
         for layer in range(normal_layers):
-            tokens, logp, carried, out = self._expand(r, k)  # [F, k]
+            last = layer == normal_layers - 1
+            tokens, logp, carried, out = self._expand(r, k, need_out=last and self.parallel and depth >= 2)  # [F, k]
             scores = front_scores.unsqueeze(1) + logp
             ids = cands.add(tokens, scores, front_ids)
-            if layer == normal_layers - 1:
+            if last:
                 if self.parallel and depth >= 2:  # last layer from the contrastive branch of the same forward,
                     # hung under the best child of the node whose forward produced it
                     con_tokens, con_logp = self._contrastive_children(out, torch.arange(r.shape[1]), k)
@@ -421,3 +431,8 @@ class DraftProposer(Proposer):
         tree.scores = torch.tensor(scores)
         tree.sources = torch.tensor([0] + [DRAFT] * (tree.size - 1))
         return tree
+
+
+def _quotas(k: int, experts: int) -> list[int]:
+    """Children per activated expert, in router order, for a decoupled node's k children."""
+    return [k // experts + (1 if j < k % experts else 0) for j in range(experts)]

@@ -224,6 +224,29 @@ class DraftModel(nn.Module):
                                                     INPUT_BYTES)
         return feats, rows.ids[ids], logp
 
+    def experts_topk(self, r: torch.Tensor, quotas: list[int], head: "DraftHead | int | None" = None):
+        """Decoupled children of residual rows r [n, d] in one call of the small-batch kernels:
+        each row's activated experts in router order, the one of rank a proposing ``quotas[a]``
+        children from its own output (tokens the ranks before it proposed skipped), as
+        ``DraftProposer._children`` does from ``heads``. Returns (features r + expert output
+        [n, A, d], target token ids [n, k], log-probs [n, k]), or None where that path does not
+        apply (training, no kernel, EAGLE-2)."""
+        c = self.config
+        if (c.method != "jakiro" or self.training or torch.is_grad_enabled() or not smallgemm.available()
+                or self.post_norm.dtype != torch.float32 or len(quotas) > c.experts_per_token):
+            return None
+        experts = [(self._fast_layer(f"gate_up{e}", (self.gate_up[e],)).kernel_weight,
+                    self._fast_layer(f"down{e}", (self.down[e],)).kernel_weight) for e in range(c.num_experts)]
+        rows = self._head_of(head)
+        if any(w is None for pair in experts for w in pair) or rows.layer.kernel_weight is None:
+            return None
+        m = F.rms_norm(r, (r.shape[-1],), self.post_norm, c.rms_norm_eps)
+        order = torch.topk(self.router(m).softmax(-1), len(quotas), dim=-1).indices  # as ``heads`` ranks them
+        feats, ids, logp = smallgemm.draft_experts_topk(
+            r, self.post_norm.detach(), [g for g, _ in experts], [d for _, d in experts], c.intermediate_size,
+            rows.layer.kernel_weight, rows.layer.out_features, order, quotas, c.rms_norm_eps, INPUT_BYTES)
+        return feats, rows.ids[ids], logp
+
     def top_expert(self, r: torch.Tensor) -> int:
         """The expert the router ranks first for one residual row r [1, d] (0 for EAGLE-2): the
         one whose output proposes a decoupled node's first child."""

@@ -668,6 +668,11 @@ void top_k_logp(const float* z, int64_t V, int64_t k, int64_t* best, int64_t* id
     for (int64_t j = i; j < i + BLOCK; ++j) offer(j);
   }
   for (; i < V; ++i) offer(i);
+  if (have == 0) {  // every logit NaN: nothing to rank
+    for (int64_t j = 0; j < k; ++j) ids[j] = 0, logp[j] = -INFINITY;
+    return;
+  }
+  for (int64_t j = have; j < k; ++j) best[j] = best[have - 1];  // fewer than k non-NaN logits
   const float top = z[best[0]];
   vf acc = vf{};
   i = 0;
@@ -715,6 +720,92 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_mlp_head(const at::Tensor& 
   return {out, ids, logp};
 }
 
+// A decoupled Jakiro draft step's children for residual rows r [n, d]: each row's activated
+// experts in router order (``order`` [n, A], expert indices), the one of rank a proposing
+// ``quotas[a]`` children: the top tokens of the head over r + that expert's MLP output, skipping
+// those the ranks before it proposed. Every expert that some row activates runs over all rows
+// (they are few), the head over the n x A expert features in one call. Returns (features r +
+// expert output [n, A, d], head row ids [n, k], their log-probabilities under each feature's
+// own softmax [n, k]), children ordered by rank, then by score.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
+    const at::Tensor& r_in, const at::Tensor& norm, const std::vector<at::Tensor>& gate_ups,
+    const std::vector<at::Tensor>& downs, int64_t inter, const at::Tensor& head, int64_t V, const at::Tensor& order,
+    at::IntArrayRef quotas, double eps, int64_t input_bytes) {
+  TORCH_CHECK(r_in.dim() == 2 && r_in.scalar_type() == at::kFloat, "draft_experts_topk: r must be [n, d] float32");
+  const auto r = r_in.contiguous();
+  const int64_t n = r.size(0), d = r.size(1), N = static_cast<int64_t>(gate_ups.size());
+  const int64_t A = static_cast<int64_t>(quotas.size());
+  TORCH_CHECK(N >= 1 && static_cast<int64_t>(downs.size()) == N, "draft_experts_topk: one gate/up and down per expert");
+  TORCH_CHECK(norm.numel() == d && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
+              "draft_experts_topk: norm must be [d] float32");
+  TORCH_CHECK(order.dim() == 2 && order.size(0) == n && order.size(1) == A && order.scalar_type() == at::kLong,
+              "draft_experts_topk: order must be [n, ranks] int64");
+  int64_t k = 0;
+  for (int64_t a = 0; a < A; ++a) {
+    TORCH_CHECK(quotas[a] >= 1, "draft_experts_topk: every rank proposes at least one child");
+    k += quotas[a];
+  }
+  TORCH_CHECK(k <= V, "draft_experts_topk: more children than head rows");
+  TORCH_CHECK(jakiro::valid_linear(head, V, d), "draft_experts_topk: a head the kernels cannot take");
+  for (int64_t e = 0; e < N; ++e)
+    TORCH_CHECK(jakiro::valid_linear(gate_ups[e], 2 * inter, d) && jakiro::valid_linear(downs[e], d, inter),
+                "draft_experts_topk: an expert the kernels cannot take");
+  const auto ord = order.contiguous();
+  const int64_t* rank_of = ord.data_ptr<int64_t>();
+  std::vector<char> used(N, 0);
+  for (int64_t i = 0; i < n * A; ++i) {
+    TORCH_CHECK(rank_of[i] >= 0 && rank_of[i] < N, "draft_experts_topk: expert index out of range");
+    used[rank_of[i]] = 1;
+  }
+  auto opts = r.options();
+  // each used expert's r + MLP(r) over all rows
+  auto outs = at::empty({N, n, d}, opts);
+  auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * inter}, opts), act = at::empty({n, inter}, opts);
+  Shape S{n, d, 0, 0, 0, inter, static_cast<float>(eps), 0.f};
+  for (int64_t e = 0; e < N; ++e) {
+    if (!used[e]) continue;
+    float* o = outs.data_ptr<float>() + e * n * d;
+    std::memcpy(o, r.data_ptr<float>(), n * d * sizeof(float));
+    mlp_block(o, S, norm.data_ptr<float>(), gate_ups[e], downs[e], y.data_ptr<float>(), gu.data_ptr<float>(),
+              act.data_ptr<float>(), input_bytes);
+  }
+  auto feats = at::empty({n, A, d}, opts);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t a = 0; a < A; ++a)
+      std::memcpy(feats.data_ptr<float>() + (i * A + a) * d, outs.data_ptr<float>() + (rank_of[i * A + a] * n + i) * d,
+                  d * sizeof(float));
+  auto logits = at::empty({n * A, V}, opts);
+  jakiro::apply_linear(head, V, nullptr, feats.data_ptr<float>(), n * A, d, logits.data_ptr<float>(), input_bytes);
+  auto ids = at::empty({n, k}, opts.dtype(at::kLong));
+  auto logp = at::empty({n, k}, opts);
+  const float* z0 = logits.data_ptr<float>();
+  int64_t* ids0 = ids.data_ptr<int64_t>();
+  float* logp0 = logp.data_ptr<float>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> best(k), cand(k);
+    std::vector<float> cand_lp(k);
+    for (int64_t row = r0; row < r1; ++row) {
+      int64_t have = 0;  // children of this row so far (the ranks before a)
+      for (int64_t a = 0; a < A; ++a) {
+        // the top quota + have, then the first quota of them the ranks before did not propose
+        const int64_t want = std::min<int64_t>(quotas[a] + have, V);
+        top_k_logp(z0 + (row * A + a) * V, V, want, best.data(), cand.data(), cand_lp.data());
+        int64_t got = 0;
+        for (int64_t j = 0; j < want && got < quotas[a]; ++j) {
+          const int64_t* taken = ids0 + row * k;
+          if (std::find(taken, taken + have + got, cand[j]) != taken + have + got) continue;
+          ids0[row * k + have + got] = cand[j];
+          logp0[row * k + have + got] = cand_lp[j];
+          ++got;
+        }
+        have += got;
+      }
+      for (int64_t j = have; j < k; ++j) ids0[row * k + j] = 0, logp0[row * k + j] = -INFINITY;  // NaN logits only
+    }
+  });
+  return {feats, ids, logp};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
@@ -731,4 +822,7 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("draft_mlp_head(Tensor r, Tensor norm, Tensor gate_up, Tensor down, int inter, Tensor head, int V, int k, "
         "float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
         draft_mlp_head);
+  m.def("draft_experts_topk(Tensor r, Tensor norm, Tensor[] gate_ups, Tensor[] downs, int inter, Tensor head, int V, "
+        "Tensor order, int[] quotas, float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
+        draft_experts_topk);
 }
