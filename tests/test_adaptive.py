@@ -52,8 +52,8 @@ def test_a_long_catch_up_is_paid_for(tiny):
                       catch_up_ms={2: 0.0, 34: 1.6})
     proposer = make(tiny, costs)
     proposer.start(256)
-    proposer.reached[1:] = torch.tensor([10.0, 5.0, 2.5, 1.0])  # depth 1 reached in half the cycles
-    proposer.tried[1:] = 20.0
+    proposer.reached[1:] = [10.0, 5.0, 2.5, 1.0]  # depth 1 reached in half the cycles
+    proposer.tried[1:] = [20.0] * 4
     d = proposer.inner.draft.config.hidden_size
     proposer.observe(torch.randn(2, d), torch.tensor([1, 2]))
     assert proposer.inner.pending_rows == 2 and proposer.choose_depth() >= 1
@@ -69,8 +69,8 @@ def test_reading_a_long_prompt_is_spread_over_the_cycles_that_follow(tiny):
                       catch_up_ms={2: 0.0, 34: 0.32, 258: 2.56})
     proposer = make(tiny, costs)
     proposer.start(512)
-    proposer.reached[1:] = torch.tensor([16.0, 12.0, 9.0, 6.0])  # depth 1 reached in 4 of 5 cycles
-    proposer.tried[1:] = 20.0
+    proposer.reached[1:] = [16.0, 12.0, 9.0, 6.0]  # depth 1 reached in 4 of 5 cycles
+    proposer.tried[1:] = [20.0] * 4
     d = proposer.inner.draft.config.hidden_size
     proposer.observe(torch.randn(258, d), torch.randint(0, 60, (258,)))
     assert proposer.inner.pending_rows == 258
@@ -99,11 +99,11 @@ def test_a_good_lookup_chain_leaves_a_weak_draft_idle(tiny):
     costs = CostTable({1: 1.0, 2: 1.02, 4: 1.06, 8: 1.2, 16: 1.5}, {1: 0.15, 2: 0.3, 3: 0.45})
     proposer = AdaptiveProposer(DraftProposer(draft, TreeBudget(3, 2, 6)), target, costs,
                                 lookup=PromptLookupProposer(num_tokens=4))
-    proposer.reached[1:] = torch.tensor([8.0, 4.0, 2.0])  # the draft reaches depth 1 in 40 % of cycles
-    proposer.tried[1:] = 20.0
+    proposer.reached[1:] = [8.0, 4.0, 2.0]  # the draft reaches depth 1 in 40 % of cycles
+    proposer.tried[1:] = [20.0] * 3
     assert proposer.choose_depth(0) >= 1  # alone it pays
-    proposer.lookup_hits[:] = 19.0  # the chain matches 95 % of the time, token after token
-    proposer.lookup_seen[:] = 20.0
+    proposer.lookup_hits = [[19.0] * len(row) for row in proposer.lookup_hits]  # the chain matches 95 % of the
+    proposer.lookup_seen = [[20.0] * len(row) for row in proposer.lookup_seen]  # time, token after token
     assert proposer.choose_depth(4) == 0  # next to it, drafting is not worth its cost
 
 
