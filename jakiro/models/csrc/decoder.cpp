@@ -643,6 +643,14 @@ inline bool any_lane(vi m) {
   return b[0] != 0;
 }
 
+// x [n, d] += the gated MLP of rmsnorm(x) for a draft step's rows, with scratch of its own
+void mlp_rows(float* x, int64_t n, int64_t d, int64_t inter, double eps, const float* norm, const at::Tensor& gate_up,
+              const at::Tensor& down, int64_t input_bytes, const at::TensorOptions& opts) {
+  const Shape S{n, d, 0, 0, 0, inter, static_cast<float>(eps), 0.f};
+  auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * inter}, opts), act = at::empty({n, inter}, opts);
+  mlp_block(x, S, norm, gate_up, down, y.data_ptr<float>(), gu.data_ptr<float>(), act.data_ptr<float>(), input_bytes);
+}
+
 // the k largest of z[0..V) (ties: the lower index first; NaN never taken) as indices and their
 // log-probabilities under softmax(z). Insertion into a sorted list of k, with 64 entries at a time
 // skipped while none beats the k-th best (after the first few hundred almost every block): the
@@ -699,11 +707,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_mlp_head(const at::Tensor& 
   TORCH_CHECK(jakiro::valid_linear(gate_up, 2 * inter, d) && jakiro::valid_linear(down, d, inter) &&
                   jakiro::valid_linear(head, V, d),
               "draft_mlp_head: a weight the kernels cannot take");
-  Shape S{n, d, 0, 0, 0, inter, static_cast<float>(eps), 0.f};
   auto opts = out.options();
-  auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * inter}, opts), act = at::empty({n, inter}, opts);
-  mlp_block(out.data_ptr<float>(), S, norm.data_ptr<float>(), gate_up, down, y.data_ptr<float>(),
-            gu.data_ptr<float>(), act.data_ptr<float>(), input_bytes);
+  mlp_rows(out.data_ptr<float>(), n, d, inter, eps, norm.data_ptr<float>(), gate_up, down, input_bytes, opts);
   auto logits = at::empty({n, V}, opts);
   jakiro::apply_linear(head, V, nullptr, out.data_ptr<float>(), n, d, logits.data_ptr<float>(), input_bytes);
   auto ids = at::empty({n, k}, opts.dtype(at::kLong));
@@ -760,14 +765,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
   auto opts = r.options();
   // each used expert's r + MLP(r) over all rows
   auto outs = at::empty({N, n, d}, opts);
-  auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * inter}, opts), act = at::empty({n, inter}, opts);
-  Shape S{n, d, 0, 0, 0, inter, static_cast<float>(eps), 0.f};
   for (int64_t e = 0; e < N; ++e) {
     if (!used[e]) continue;
     float* o = outs.data_ptr<float>() + e * n * d;
     std::memcpy(o, r.data_ptr<float>(), n * d * sizeof(float));
-    mlp_block(o, S, norm.data_ptr<float>(), gate_ups[e], downs[e], y.data_ptr<float>(), gu.data_ptr<float>(),
-              act.data_ptr<float>(), input_bytes);
+    mlp_rows(o, n, d, inter, eps, norm.data_ptr<float>(), gate_ups[e], downs[e], input_bytes, opts);
   }
   auto feats = at::empty({n, A, d}, opts);
   for (int64_t i = 0; i < n; ++i)
