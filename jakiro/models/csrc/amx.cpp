@@ -13,6 +13,13 @@
 // fewer significant bits than in float32). Weights are the GGUF blocks as they are
 // (4-bit or 8-bit q, per-block scale d and offset m): each block adds d * sum(q x) + m * sum(x).
 //
+// For 4-bit weights the same X goes through two tile multiplies instead of three: X = D1 * 2^12
+// + D0 with 12-bit digits, each written as D = 16 h + l (h a signed byte, l in [0, 15]) in one
+// 64-byte row [h of the 32 inputs][l of the 32 inputs] against the block's weights as [16 q][q]
+// (16 q <= 240 still fits an unsigned byte); a tile multiply then sums q (16 h + l) = q D over
+// the block. The integer sums are the same (D1 * 2^12 + D0 = X), so the outputs are bitwise
+// those of three byte rows, for two thirds of the tile stores and conversions per row.
+//
 // Drafts may ask for one byte per input instead (``input_bytes`` 1: X = round(x * 2^(7 - E))
 // clamped to [-127, 127], int8 per block of 32 as llama.cpp's Q8 activations): one byte row per
 // row, so a third of the tile stores and rescaling that grow with the rows, for a rounding of
@@ -51,6 +58,10 @@ using jakiro::QB;  // inputs per block
 constexpr int64_t G = 16;    // output columns per tile
 constexpr int MAX_ROWS = 16;  // rows per pass (3 x 16 byte rows fill three tiles)
 
+// input pieces per row and bytes per piece row: P = 2 are the two 12-bit digits of 4-bit
+// weights' three-byte inputs (above), 64 bytes each
+constexpr int64_t piece_bytes(int P) { return P == 2 ? 2 * QB : QB; }
+
 constexpr int64_t amx_bytes(bool q4) { return q4 ? 2 * G * 4 + G * QB / 2 : G * 4 + G * QB; }
 
 #if defined(JAKIRO_AMX)
@@ -73,21 +84,21 @@ constexpr int b_tile(int j) { return TA + j; }
 template <int TA, int KG>
 constexpr int c_tile(int j, int t) { return TA + KG + j * TA + t; }
 
-template <int TA, int KG>
+template <int TA, int KG, int64_t KB>
 void configure(int64_t byte_rows) {
   static_assert(TA + KG + TA * KG <= 8, "eight tiles");
   TileConfig c;
   for (int t = 0; t < TA; ++t) {
     const int64_t r = std::min<int64_t>(16, byte_rows - t * 16);
     c.rows[a_tile<TA, KG>(t)] = r;
-    c.colsb[a_tile<TA, KG>(t)] = QB;
+    c.colsb[a_tile<TA, KG>(t)] = KB;
     for (int j = 0; j < KG; ++j) {
       c.rows[c_tile<TA, KG>(j, t)] = r;
       c.colsb[c_tile<TA, KG>(j, t)] = 64;
     }
   }
   for (int j = 0; j < KG; ++j) {
-    c.rows[b_tile<TA, KG>(j)] = QB / 4;
+    c.rows[b_tile<TA, KG>(j)] = KB / 4;
     c.colsb[b_tile<TA, KG>(j)] = 64;
   }
   // not _tile_loadconfig: GCC 12's names only 8 bytes of the configuration as read, so the
@@ -95,14 +106,16 @@ void configure(int64_t byte_rows) {
   asm volatile("ldtilecfg %0" ::"m"(c));
 }
 
-// x [M, K] -> per block: byte rows [P * M][32] (piece-major), scale 2^(E - S) and sum(x).
-// P = 3: X = round(x * 2^(22 - E)) in three balanced bytes (exact to float32 rounding, above);
+// x [M, K] -> per block: piece rows [P * M][piece_bytes(P)] (piece-major), scale 2^(E - S) and
+// sum(x). P = 3: X = round(x * 2^(22 - E)) in three balanced bytes (exact to float32 rounding,
+// above); P = 2: the same X in two 12-bit digits of 64 bytes each (4-bit weights only);
 // P = 1: one byte, X = round(x * 2^(7 - E)) clamped to [-127, 127] (int8 inputs per block of 32,
 // as llama.cpp's Q8 activations: for a draft, whose proposals need not be exact)
 template <int P>
 void prepare(const float* x, int64_t M, int64_t K, int8_t* bytes, float* scale, float* sums) {
-  static_assert(P == 1 || P == 3, "one or three bytes per input");
-  constexpr int S = P == 3 ? 22 : 7;
+  static_assert(P >= 1 && P <= 3, "one byte, two digits or three bytes per input");
+  constexpr int S = P == 1 ? 7 : 22;
+  constexpr int64_t KB = piece_bytes(P);
   const int64_t nb = K / QB, R = P * M;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -110,11 +123,11 @@ void prepare(const float* x, int64_t M, int64_t K, int8_t* bytes, float* scale, 
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const float sum = jakiro::hsum((jakiro::vf)lo) + jakiro::hsum((jakiro::vf)hi);
       sums[m * nb + b] = sum;
-      int8_t* row = bytes + b * R * QB;
+      int8_t* row = bytes + b * R * KB;
       if (!(amax > 0) || !std::isfinite(amax) || !std::isfinite(sum)) {
         // zeros; or a non-finite input (the maximum may skip a NaN, the sum does not), which
         // makes the block's outputs NaN as in float32 arithmetic
-        for (int64_t p = 0; p < P; ++p) std::memset(row + (p * M + m) * QB, 0, QB);
+        for (int64_t p = 0; p < P; ++p) std::memset(row + (p * M + m) * KB, 0, KB);
         scale[m * nb + b] = std::isfinite(sum) && !(amax > 0) ? 0.0f : NAN;
         continue;
       }
@@ -126,6 +139,19 @@ void prepare(const float* x, int64_t M, int64_t K, int8_t* bytes, float* scale, 
         if constexpr (P == 1) {
           const __m512i c = _mm512_max_epi32(_mm512_min_epi32(X, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(row + m * QB + 16 * h), _mm512_cvtepi32_epi8(c));
+          continue;
+        }
+        if constexpr (P == 2) {
+          // X = D1 * 2^12 + D0, D0 in [-2048, 2047], D1 in [-1024, 1024]; D = 16 (D >> 4) + (D & 15)
+          const __m512i d1 = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(2048)), 12);
+          const __m512i d0 = _mm512_sub_epi32(X, _mm512_slli_epi32(d1, 12));
+          const __m512i fifteen = _mm512_set1_epi32(15);
+          int8_t* r1 = row + m * KB + 16 * h;
+          int8_t* r0 = row + (M + m) * KB + 16 * h;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r1), _mm512_cvtepi32_epi8(_mm512_srai_epi32(d1, 4)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r1 + QB), _mm512_cvtepi32_epi8(_mm512_and_si512(d1, fifteen)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r0), _mm512_cvtepi32_epi8(_mm512_srai_epi32(d0, 4)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r0 + QB), _mm512_cvtepi32_epi8(_mm512_and_si512(d0, fifteen)));
           continue;
         }
         // balanced digits: a2 * 2^8 + a3 spans [-32896, 32639], so a1 = floor((X + 32896) / 2^16)
@@ -174,8 +200,12 @@ inline void unroll(F&& f) {
   unroll<N>(f, std::make_integer_sequence<int, N>{});
 }
 
-// a row's three integer sums of one block (one per byte of x) as one float32 value: for 4-bit
-// weights exactly in int32 first (|sum| < 2^31), for 8-bit ones in float32
+// a row's integer sums of one block (one per piece of x) as one float32 value: for 4-bit
+// weights exactly in int32 first (|sum| < 2^31: |D1| <= 1024, 32 * 15 * 1024 * 2^12 + 32 * 15 *
+// 2048 < 2^31, likewise for three bytes), for 8-bit ones in float32
+inline __m512 combine(__m512i c1, __m512i c0) {
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(c1, 12), c0));
+}
 template <bool Q4>
 inline __m512 combine(__m512i c1, __m512i c2, __m512i c3) {
   if constexpr (Q4)
@@ -195,17 +225,18 @@ inline __m512 accumulate(__m512 acc, __m512 v, const uint8_t* grp, float scale, 
   return acc;
 }
 
-// output column groups [g0, g1), KG at a time, for M rows (3M byte rows in TA tiles; M is a
+// output column groups [g0, g1), KG at a time, for M rows (P M piece rows in TA tiles; M is a
 // constant so that the rows' sums stay in registers)
 template <bool Q4, int P, int M, int TA, int KG>
 void columns(const int8_t* bytes, const float* scale, const float* sums, int64_t nb, const uint8_t* w, int64_t g0,
              int64_t g1, float* y, int64_t N) {
-  constexpr int64_t BB = amx_bytes(Q4);
+  static_assert(P != 2 || Q4, "two digits per input need 4-bit weights");
+  constexpr int64_t BB = amx_bytes(Q4), KB = piece_bytes(P);
   const int64_t sp = (g1 - g0) / KG;  // the KG groups in flight come from KG equal spans
   const int64_t R = P * M;
   // Q4_1: the weight tiles' bytes, unpacked one block ahead (a tile load waits for the stores
   // that wrote its bytes to retire; unpacking the next block while this one multiplies hides it)
-  alignas(64) uint8_t wtile[2][KG][QB / 4 * 64];
+  alignas(64) uint8_t wtile[2][KG][KB / 4 * 64];
   alignas(64) int32_t sums32[KG][P * M * G];
   const auto unpack = [&](int64_t g, int64_t b) {
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -214,20 +245,45 @@ void columns(const int8_t* bytes, const float* scale, const float* sums, int64_t
       uint8_t* out = wtile[b & 1][j];
       for (int64_t i = 0; i < 4; ++i) {
         const __m512i v = _mm512_loadu_si512(q + 64 * i);
-        _mm512_store_si512(out + 64 * i, _mm512_and_si512(v, low));
-        _mm512_store_si512(out + 64 * (i + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        if constexpr (P == 2) {  // rows 0-7: 16 q against the digits' h, rows 8-15: q against their l
+          const __m512i high = _mm512_set1_epi8(static_cast<char>(0xF0));
+          _mm512_store_si512(out + 64 * i, _mm512_and_si512(_mm512_slli_epi16(v, 4), high));
+          _mm512_store_si512(out + 64 * (i + 4), _mm512_and_si512(v, high));
+          _mm512_store_si512(out + 64 * (i + 8), _mm512_and_si512(v, low));
+          _mm512_store_si512(out + 64 * (i + 12), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        } else {
+          _mm512_store_si512(out + 64 * i, _mm512_and_si512(v, low));
+          _mm512_store_si512(out + 64 * (i + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
       }
     }
   };
-  configure<TA, KG>(R);
+  __m512 acc[KG][M];
+  const auto rescale = [&](int64_t g, int64_t b) {  // the sums of block b into the outputs
+    unroll<KG>([&](auto j) {
+      const uint8_t* grp = w + ((g + j * sp) * nb + b) * BB;
+      const int32_t* s32 = sums32[j];
+      for (int m = 0; m < M; ++m) {
+        __m512 v;
+        if constexpr (P == 1)
+          v = _mm512_cvtepi32_ps(_mm512_load_si512(s32 + m * G));
+        else if constexpr (P == 2)
+          v = combine(_mm512_load_si512(s32 + m * G), _mm512_load_si512(s32 + (M + m) * G));
+        else
+          v = combine<Q4>(_mm512_load_si512(s32 + m * G), _mm512_load_si512(s32 + (M + m) * G),
+                          _mm512_load_si512(s32 + (2 * M + m) * G));
+        acc[j][m] = accumulate<Q4>(acc[j][m], v, grp, scale[m * nb + b], sums[m * nb + b]);
+      }
+    });
+  };
+  configure<TA, KG, KB>(R);
   for (int64_t g = g0; g < g0 + sp; ++g) {
-    __m512 acc[KG][M];
     for (int j = 0; j < KG; ++j)
       for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
     if constexpr (Q4) unpack(g, 0);
     for (int64_t b = 0; b < nb; ++b) {
-      const int8_t* a = bytes + b * R * QB;
-      unroll<TA>([&](auto t) { tile_load<a_tile<TA, KG>(decltype(t)::value)>(a + 16 * t * QB, QB); });
+      const int8_t* a = bytes + b * R * KB;
+      unroll<TA>([&](auto t) { tile_load<a_tile<TA, KG>(decltype(t)::value)>(a + 16 * t * KB, KB); });
       unroll<KG>([&](auto j) {
         if constexpr (Q4)
           tile_load<b_tile<TA, KG>(decltype(j)::value)>(wtile[b & 1][j], 64);
@@ -246,16 +302,7 @@ void columns(const int8_t* bytes, const float* scale, const float* sums, int64_t
           tile_store<c_tile<TA, KG>(decltype(j)::value, decltype(t)::value)>(sums32[j] + 16 * t * G, 64);
         });
       });
-      unroll<KG>([&](auto j) {
-        const uint8_t* grp = w + ((g + j * sp) * nb + b) * BB;
-        for (int m = 0; m < M; ++m) {
-          const __m512 v = P == 1 ? _mm512_cvtepi32_ps(_mm512_load_si512(sums32[j] + m * G))
-                                  : combine<Q4>(_mm512_load_si512(sums32[j] + m * G),
-                                                _mm512_load_si512(sums32[j] + (M + m) * G),
-                                                _mm512_load_si512(sums32[j] + (2 * M + m) * G));
-          acc[j][m] = accumulate<Q4>(acc[j][m], v, grp, scale[m * nb + b], sums[m * nb + b]);
-        }
-      });
+      rescale(g, b);
     }
     for (int j = 0; j < KG; ++j)
       for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * N + (g + j * sp) * G, acc[j][m]);
@@ -277,24 +324,36 @@ void column_dispatch(std::integer_sequence<int, I...>, const int8_t* bytes, cons
   ((M == I + 1 ? (column_range<Q4, P, I + 1>(bytes, scale, sums, nb, w, g0, g1, y, N), true) : false) || ...);
 }
 
-template <int P>
-void tile_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y) {
-  const bool q4 = w.size(2) == amx_bytes(true);
+constexpr int64_t TWO_DIGIT_ROWS = 4;  // measured: even at 2-3 rows, 5-10 % faster from 6 rows on
+
+// M rows in passes of MAX_ROWS, each prepared as pieces PP of x and multiplied by every column
+template <bool Q4, int PP>
+void tile_passes(const float* x, int64_t M, int64_t K, const uint8_t* wp, int64_t N, float* y) {
   const int64_t nb = K / QB;
-  const uint8_t* wp = w.data_ptr<uint8_t>();
   for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
     const int64_t rows = std::min<int64_t>(MAX_ROWS, M - m0);
-    std::vector<int8_t> bytes(nb * P * rows * QB);
+    std::vector<int8_t> bytes(nb * PP * rows * piece_bytes(PP));
     std::vector<float> scale(rows * nb), sums(rows * nb);
-    prepare<P>(x + m0 * K, rows, K, bytes.data(), scale.data(), sums.data());
+    prepare<PP>(x + m0 * K, rows, K, bytes.data(), scale.data(), sums.data());
     at::parallel_for(0, N / G, 4, [&](int64_t g0, int64_t g1) {
-      constexpr auto all_rows = std::make_integer_sequence<int, MAX_ROWS>{};
-      if (q4)
-        column_dispatch<true, P>(all_rows, bytes.data(), scale.data(), sums.data(), rows, nb, wp, g0, g1, y + m0 * N, N);
-      else
-        column_dispatch<false, P>(all_rows, bytes.data(), scale.data(), sums.data(), rows, nb, wp, g0, g1, y + m0 * N, N);
+      column_dispatch<Q4, PP>(std::make_integer_sequence<int, MAX_ROWS>{}, bytes.data(), scale.data(), sums.data(),
+                              rows, nb, wp, g0, g1, y + m0 * N, N);
     });
   }
+}
+
+// P bytes per input; from TWO_DIGIT_ROWS rows on, three bytes go to 4-bit weights as two
+// 12-bit digits (the same sums, bitwise the same outputs): fewer tile stores and conversions per
+// row, for twice the weight bytes unpacked per block, which only pays once there are a few rows
+template <int P>
+void tile_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y) {
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (w.size(2) != amx_bytes(true))
+    tile_passes<false, P>(x, M, K, wp, N, y);
+  else if (P == 3 && M >= TWO_DIGIT_ROWS)
+    tile_passes<true, 2>(x, M, K, wp, N, y);
+  else
+    tile_passes<true, P>(x, M, K, wp, N, y);
 }
 
 bool request_tiles() {
