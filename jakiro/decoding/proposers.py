@@ -308,15 +308,13 @@ class DraftProposer(Proposer):
     def _expand(self, r: torch.Tensor, k: int, need_out: bool = False):
         """The top-k children of each forwarded row of residual rows r [1, F, d]: (tokens [F, k],
         log-probs [F, k], the features they carry [F, k, d], the draft output, or None where a
-        fused kernel ran). EAGLE-2's one MLP, and a decoupled Jakiro node's only child (proposed
-        by the expert the router ranks first, whose output it carries), take one kernel call for
-        the expert, the head and its top-k: the other experts are not evaluated. Decoupled
-        children of several experts take one call too (``DraftModel.experts_topk``). The
-        contrastive branch (``need_out``) and blended candidates need the whole draft output
-        (``heads``)."""
-        single = self.mode == "single"
-        if single or (self.mode == "decoupled" and not self.parallel and k == 1 and r.shape[1] == 1):
-            fused = self.draft.mlp_head_topk(r[0], k, self.head, 0 if single else self.draft.top_expert(r[0]))
+        fused kernel ran). EAGLE-2's one MLP takes one kernel call for the MLP, the head and its
+        top-k; decoupled Jakiro children take one for the router, the activated experts, the head
+        and each expert's share (``DraftModel.experts_topk``: a node's only child runs the expert
+        the router ranks first, the other experts are not evaluated). The contrastive branch
+        (``need_out``) and blended candidates need the whole draft output (``heads``)."""
+        if self.mode == "single":
+            fused = self.draft.mlp_head_topk(r[0], k, self.head)
             if fused is not None:
                 feats, tokens, logp = fused
                 return tokens, logp, feats.unsqueeze(1).expand(-1, tokens.shape[1], -1), None

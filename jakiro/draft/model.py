@@ -204,16 +204,15 @@ class DraftModel(nn.Module):
         flat = features.reshape(-1, features.shape[-1])
         return self._head_of(head).layer(flat).view(*features.shape[:-1], -1)
 
-    def mlp_head_topk(self, r: torch.Tensor, k: int, head: "DraftHead | int | None" = None, expert: int = 0):
-        """One expert's half of ``heads`` (EAGLE-2's MLP: expert 0) then the head's top-k, for
-        residual rows r [n, d], in one call of the small-batch kernels: (features r + MLP [n, d],
-        target token ids [n, k], log-probs [n, k] over ``head``'s rows), or None
-        where that path does not apply (training, no kernel)."""
+    def mlp_head_topk(self, r: torch.Tensor, k: int, head: "DraftHead | int | None" = None):
+        """EAGLE-2's MLP then the head's top-k, for residual rows r [n, d], in one call of the
+        small-batch kernels: (features r + MLP [n, d], target token ids [n, k], log-probs [n, k]
+        over ``head``'s rows), or None where that path does not apply (training, no kernel)."""
         c = self.config
         if self.training or torch.is_grad_enabled() or not smallgemm.available() or self.post_norm.dtype != torch.float32:
             return None
-        gate_up = self._fast_layer(f"gate_up{expert}", (self.gate_up[expert],)).kernel_weight
-        down = self._fast_layer(f"down{expert}", (self.down[expert],)).kernel_weight
+        gate_up = self._fast_layer("gate_up0", (self.gate_up[0],)).kernel_weight
+        down = self._fast_layer("down0", (self.down[0],)).kernel_weight
         rows = self._head_of(head)
         head = rows.layer
         if gate_up is None or down is None or head.kernel_weight is None:
@@ -228,9 +227,10 @@ class DraftModel(nn.Module):
         """Decoupled children of residual rows r [n, d] in one call of the small-batch kernels:
         each row's activated experts in router order, the one of rank a proposing ``quotas[a]``
         children from its own output (tokens the ranks before it proposed skipped), as
-        ``DraftProposer._children`` does from ``heads``. Returns (features r + expert output
-        [n, A, d], target token ids [n, k], log-probs [n, k]), or None where that path does not
-        apply (training, no kernel, EAGLE-2)."""
+        ``DraftProposer._children`` does from ``heads``; with one rank (a chain), only the expert
+        the router ranks first runs. The router runs in the same call. Returns (features r +
+        expert output [n, A, d], target token ids [n, k], log-probs [n, k]), or None where that
+        path does not apply (training, no kernel, EAGLE-2)."""
         c = self.config
         if (c.method != "jakiro" or self.training or torch.is_grad_enabled() or not smallgemm.available()
                 or self.post_norm.dtype != torch.float32 or len(quotas) > c.experts_per_token):
@@ -240,20 +240,11 @@ class DraftModel(nn.Module):
         rows = self._head_of(head)
         if any(w is None for pair in experts for w in pair) or rows.layer.kernel_weight is None:
             return None
-        m = F.rms_norm(r, (r.shape[-1],), self.post_norm, c.rms_norm_eps)
-        order = torch.topk(self.router(m).softmax(-1), len(quotas), dim=-1).indices  # as ``heads`` ranks them
         feats, ids, logp = smallgemm.draft_experts_topk(
             r, self.post_norm.detach(), [g for g, _ in experts], [d for _, d in experts], c.intermediate_size,
-            rows.layer.kernel_weight, rows.layer.out_features, order, quotas, c.rms_norm_eps, INPUT_BYTES)
+            rows.layer.kernel_weight, rows.layer.out_features, self.router.weight.detach(), quotas, c.rms_norm_eps,
+            INPUT_BYTES)
         return feats, rows.ids[ids], logp
-
-    def top_expert(self, r: torch.Tensor) -> int:
-        """The expert the router ranks first for one residual row r [1, d] (0 for EAGLE-2): the
-        one whose output proposes a decoupled node's first child."""
-        if self.config.method == "eagle2":
-            return 0
-        m = F.rms_norm(r, (r.shape[-1],), self.post_norm, self.config.rms_norm_eps)
-        return int(self.router(m).argmax(-1))
 
     def _linear(self, name: str, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ cat(weights)^T (+ bias). In training, ``F.linear``; in inference, the runtime's

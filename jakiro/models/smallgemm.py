@@ -175,8 +175,8 @@ def draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps, input_byt
     return torch.ops.jakiro_smallgemm.draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps, input_bytes)
 
 
-def draft_experts_topk(r, norm, gate_ups, downs, inter, head, vocab, order, quotas, eps, input_bytes=3):
-    """A decoupled Jakiro draft step's experts, head and per-expert top-k in one call
+def draft_experts_topk(r, norm, gate_ups, downs, inter, head, vocab, router, quotas, eps, input_bytes=3):
+    """A decoupled Jakiro draft step's router, experts, head and per-expert top-k in one call
     (``csrc/decoder.cpp``); see ``DraftModel.experts_topk``."""
-    return torch.ops.jakiro_smallgemm.draft_experts_topk(r, norm, gate_ups, downs, inter, head, vocab, order, quotas,
+    return torch.ops.jakiro_smallgemm.draft_experts_topk(r, norm, gate_ups, downs, inter, head, vocab, router, quotas,
                                                          eps, input_bytes)

@@ -726,7 +726,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_mlp_head(const at::Tensor& 
 }
 
 // A decoupled Jakiro draft step's children for residual rows r [n, d]: each row's activated
-// experts in router order (``order`` [n, A], expert indices), the one of rank a proposing
+// experts in router order (the A largest of router [N, d] times rmsnorm(r) with ``norm``, ties to
+// the lower index; computed here, where the same few operations in torch cost about 0.1 ms a
+// step), the one of rank a proposing
 // ``quotas[a]`` children: the top tokens of the head over r + that expert's MLP output, skipping
 // those the ranks before it proposed. Every expert that some row activates runs over all rows
 // (they are few), the head over the n x A expert features in one call. Returns (features r +
@@ -734,7 +736,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_mlp_head(const at::Tensor& 
 // own softmax [n, k]), children ordered by rank, then by score.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
     const at::Tensor& r_in, const at::Tensor& norm, const std::vector<at::Tensor>& gate_ups,
-    const std::vector<at::Tensor>& downs, int64_t inter, const at::Tensor& head, int64_t V, const at::Tensor& order,
+    const std::vector<at::Tensor>& downs, int64_t inter, const at::Tensor& head, int64_t V, const at::Tensor& router,
     at::IntArrayRef quotas, double eps, int64_t input_bytes) {
   TORCH_CHECK(r_in.dim() == 2 && r_in.scalar_type() == at::kFloat, "draft_experts_topk: r must be [n, d] float32");
   const auto r = r_in.contiguous();
@@ -743,8 +745,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
   TORCH_CHECK(N >= 1 && static_cast<int64_t>(downs.size()) == N, "draft_experts_topk: one gate/up and down per expert");
   TORCH_CHECK(norm.numel() == d && norm.scalar_type() == at::kFloat && norm.is_contiguous(),
               "draft_experts_topk: norm must be [d] float32");
-  TORCH_CHECK(order.dim() == 2 && order.size(0) == n && order.size(1) == A && order.scalar_type() == at::kLong,
-              "draft_experts_topk: order must be [n, ranks] int64");
+  TORCH_CHECK(router.dim() == 2 && router.size(0) == N && router.size(1) == d && router.scalar_type() == at::kFloat,
+              "draft_experts_topk: router must be [experts, d] float32");
+  TORCH_CHECK(A >= 1 && A <= N, "draft_experts_topk: between one rank and one per expert");
   int64_t k = 0;
   for (int64_t a = 0; a < A; ++a) {
     TORCH_CHECK(quotas[a] >= 1, "draft_experts_topk: every rank proposes at least one child");
@@ -755,12 +758,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
   for (int64_t e = 0; e < N; ++e)
     TORCH_CHECK(jakiro::valid_linear(gate_ups[e], 2 * inter, d) && jakiro::valid_linear(downs[e], d, inter),
                 "draft_experts_topk: an expert the kernels cannot take");
-  const auto ord = order.contiguous();
-  const int64_t* rank_of = ord.data_ptr<int64_t>();
+  // each row's experts by router logit, the largest first
+  const auto rw = router.contiguous();
+  std::vector<int64_t> rank_of(n * A);
   std::vector<char> used(N, 0);
-  for (int64_t i = 0; i < n * A; ++i) {
-    TORCH_CHECK(rank_of[i] >= 0 && rank_of[i] < N, "draft_experts_topk: expert index out of range");
-    used[rank_of[i]] = 1;
+  {
+    std::vector<float> m(d), z(N);
+    std::vector<int64_t> idx(N);
+    for (int64_t i = 0; i < n; ++i) {
+      rmsnorm(r.data_ptr<float>() + i * d, norm.data_ptr<float>(), m.data(), d, static_cast<float>(eps));
+      for (int64_t e = 0; e < N; ++e) {
+        z[e] = dot(rw.data_ptr<float>() + e * d, m.data(), d);
+        idx[e] = e;
+      }
+      std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return z[a] > z[b]; });
+      for (int64_t a = 0; a < A; ++a) used[rank_of[i * A + a] = idx[a]] = 1;
+    }
   }
   auto opts = r.options();
   // each used expert's r + MLP(r) over all rows
@@ -825,6 +838,6 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
         "float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
         draft_mlp_head);
   m.def("draft_experts_topk(Tensor r, Tensor norm, Tensor[] gate_ups, Tensor[] downs, int inter, Tensor head, int V, "
-        "Tensor order, int[] quotas, float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
+        "Tensor router, int[] quotas, float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
         draft_experts_topk);
 }
