@@ -54,7 +54,7 @@ def test_quantized_kernel_matches_the_dequantized_matrix(kind, rows, out):
     assert layer.streamed_bytes == layer.blocks.numel() + out * 4  # Q8_0 tiles drop the blocks' zero offsets
     assert layer.blocks.numel() == packed.numel() - (0 if kind == "q4_1" or not layer.tiles else out * cols // 8)
     if rows <= SMALL_ROWS:  # a row's result does not depend on the rows that come with it (with
-        # the tile unit and 4-bit weights, from 4 rows on its three bytes go in as two 12-bit digits)
+        # the tile unit and 4-bit weights, from 6 rows on its three bytes go in as two 12-bit digits)
         assert torch.equal(layer(x[-1:]), got[-1:])
 
 
