@@ -228,6 +228,26 @@ def test_fused_first_expert_equals_the_decoupled_first_child(tmp_path):
     assert len(experts) > 1  # the router's choice matters, and was followed
 
 
+def test_fused_experts_call_refuses_a_router_of_the_wrong_shape(tmp_path):
+    """The fused Jakiro step ranks experts with the router it is given: one whose rows are not
+    the experts, or whose width is not the draft's, is refused with a clear message."""
+    from jakiro.models import smallgemm
+    if not smallgemm.available():
+        pytest.skip("the small-batch kernels are not built here")
+    _, draft = _tiny_jakiro(tmp_path, num_experts=2, experts_per_token=2, parallel_decoding=False)
+    r = torch.randn(1, 64)
+    with torch.inference_mode():
+        assert draft.experts_topk(r, [1, 1]) is not None  # the call itself works
+        experts = [(draft._fast_layer(f"gate_up{e}", (draft.gate_up[e],)).kernel_weight,
+                    draft._fast_layer(f"down{e}", (draft.down[e],)).kernel_weight) for e in range(2)]
+        head = draft._head_of(None).layer
+        for router in (torch.randn(3, 64), torch.randn(2, 32)):
+            with pytest.raises(RuntimeError, match="router must be"):
+                smallgemm.draft_experts_topk(r, draft.post_norm.detach(), [g for g, _ in experts],
+                                             [d for _, d in experts], draft.config.intermediate_size,
+                                             head.kernel_weight, head.out_features, router, [1], 1e-6)
+
+
 @pytest.mark.parametrize("method,top_k,overrides", [
     ("eagle2", 3, {}), ("eagle2", 1, {}),
     ("jakiro", 1, {"parallel_decoding": False}),  # a decoupled chain: the router's first expert only
