@@ -109,6 +109,28 @@ def check_distribution(samples, exact):
     return z
 
 
+def test_sampler_draws_each_row_by_its_weights(monkeypatch):
+    """``sample_rows`` (inverse CDF in float64) against the exact shares of unnormalised weights
+    with zeros, rows independent; and a draw that rounds up to the total still lands on a token
+    of weight > 0."""
+    from jakiro.decoding import sampling
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.5, 0.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]])
+    gen = torch.Generator().manual_seed(0)
+    counts: dict = {}
+    for _ in range(N_SAMPLES):
+        a, b = sampling.sample_rows(weights, gen).tolist()
+        assert b == 6
+        counts[a] = counts.get(a, 0) + 1
+    assert set(counts) <= {1, 3, 4, 6}, counts
+    expected = {i: float(w) / 4.0 for i, w in enumerate(weights[0]) if w > 0}
+    assert chi_square_z(counts, expected, N_SAMPLES) < 4.5
+    skewed = {1: 0.7, 3: 0.1, 4: 0.1, 6: 0.1}  # the check itself tells a wrong distribution apart
+    assert chi_square_z(counts, skewed, N_SAMPLES) > 4.5
+    monkeypatch.setattr(sampling.torch, "rand", lambda *shape, **kw: torch.ones(*shape, dtype=torch.float64))
+    assert sampling.sample_rows(weights, gen).tolist() == [6, 6]
+    assert sampling.sample(torch.tensor([0.0, 1.0, 1.0, 0.0]), gen) == 2
+
+
 @pytest.fixture(scope="module")
 def tiny_small_vocab(tmp_path_factory):
     folder = make_tiny_target(str(tmp_path_factory.mktemp("v32")), "llama", vocab_size=V, eos_token_id=None,

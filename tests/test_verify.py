@@ -60,3 +60,12 @@ def test_sampling_rejection_uses_residual_distribution():
     assert all(v.bonus == 5 for v in rejected)  # 2 was rejected, so the residual is all on 5
     assert all(v.bonus == 7 for v in outcomes if v.accept_length == 1)
     assert 900 < len(rejected) < 1100
+
+
+def test_bench_cost_times_greedy_and_sampled_verification():
+    from jakiro.bench.cost_curve import verification_costs
+    out = verification_costs(vocab=64, repeats=2, sizes=(1, 4))
+    assert out["vocab"] == 64
+    for key in ("greedy_ms", "sampled_t1_ms"):
+        assert set(out[key]) == {"1", "4"} and all(ms > 0 for ms in out[key].values())
+    assert set(out["one_sample_ms"]) == {"sample_rows", "torch_multinomial"}

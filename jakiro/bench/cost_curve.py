@@ -1,7 +1,8 @@
 """Target cost curve (forward time vs number of new tree tokens at a fixed context), judged
 against the machine's memory floor (the time to stream the target's weights once, measured in
 the same run; also the weights plus the KV cache at that context, which a forward reads too),
-the draft's cost per step and per cycle for each shipped draft, and plain greedy decoding
+the draft's cost per step and per cycle for each shipped draft, what verifying a tree costs
+(greedy and sampled), and plain greedy decoding
 tokens/s of our runtime vs Hugging Face ``generate``, measured alternately."""
 
 from __future__ import annotations
@@ -105,6 +106,31 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
                      "total_tokens": proposer.budget.total_tokens}}
 
 
+def verification_costs(vocab: int, repeats: int, sizes=(1, 8, 16)) -> dict:
+    """Median ms to verify a tree of n nodes (a binary tree whose every token is its parent's
+    most likely one, over random logits of the target's vocabulary) greedily and by sampling at
+    T = 1; and one token drawn from a distribution over ``vocab`` by ``sample_rows`` and by
+    ``torch.multinomial``, which draws the same distribution."""
+    from ..decoding.sampling import SamplingParams, sample
+    from ..decoding.tree import build_tree
+    from ..decoding.verify import verify
+
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {"vocab": vocab, "greedy_ms": {}, "sampled_t1_ms": {}}
+    for n in sizes:
+        logits = torch.randn(n, vocab, generator=gen) * 3
+        parents = [-1] + [(i - 1) // 2 for i in range(1, n)]
+        best = logits.argmax(-1)
+        tree = build_tree(torch.tensor([0] + [int(best[p]) for p in parents[1:]]), torch.tensor(parents))
+        for key, params in (("greedy_ms", SamplingParams()), ("sampled_t1_ms", SamplingParams(1.0))):
+            out[key][str(n)] = round(median_ms(lambda: verify(tree, logits, params, gen), repeats), 3)
+    probs = (torch.randn(vocab, generator=gen) * 3).softmax(-1)
+    out["one_sample_ms"] = {
+        "sample_rows": round(median_ms(lambda: sample(probs, gen), repeats), 3),
+        "torch_multinomial": round(median_ms(lambda: torch.multinomial(probs, 1, generator=gen), repeats), 3)}
+    return out
+
+
 def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int, rounds: int = 3) -> dict:
     """Forward costs with the small-batch kernel (``with_kernel``, a loaded target) and with
     torch's kernels (a second copy), and where ``with_kernel`` streams quantized weights also
@@ -159,6 +185,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         d["step_after_target_x_t1"] = round(d["step_after_target_ms"] / costs[1], 3)
         d["propose_x_t1"] = round(d["propose_ms"] / costs[1], 3)
         d["chain2_propose_after_target_x_t1"] = round(d["chain2_propose_after_target_ms"] / costs[1], 3)
+    verification = verification_costs(jk.target.config.vocab_size, repeats)
     engine = jk.engine("ar")
     ids = engine.encode(PROMPT)
     hf = AutoModelForCausalLM.from_pretrained(jk.target_path, dtype=torch.float32).eval()
@@ -195,6 +222,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         "t1_x_floor_with_kv": round(costs[1] / floor_kv, 2),
         "forward_x_t1": {str(n): round(ms / costs[1], 2) for n, ms in costs.items()},
         "draft_cost": drafts,
+        "verification": verification,
         "plain_decoding": {
             "new_tokens": new_tokens, "rounds": rounds,
             "ours_tokens_per_s": round(ours, 2), "hf_generate_tokens_per_s": round(theirs, 2),

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..decoding.sampling import SamplingParams, processed_probs
+from ..decoding.sampling import SamplingParams, processed_probs, sample_rows
 
 MIN_ANSWER_ROOM = 16  # tokens an answer must be allowed before a turn is worth prefilling
 
@@ -169,7 +169,7 @@ class Regenerator:
         rows = [b for b, c in enumerate(slots) if c is not None and c.sampled]
         if rows:
             probs = processed_probs(logits[rows], self.sampling)
-            chosen[rows] = torch.multinomial(probs, 1, generator=self.generator).flatten()
+            chosen[rows] = sample_rows(probs, self.generator)
         return chosen
 
     def _accept(self, conv: _Conversation, tok: int) -> bool:

@@ -69,9 +69,25 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return logits.softmax(-1)
 
 
+def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of non-negative weights [B, V] (normalised or not, no row all zero): the
+    first index whose float64 cumulative sum exceeds one uniform draw times the row's total, so a
+    token of weight 0 is never drawn and every other is drawn with its share up to float64
+    rounding. ``torch.multinomial`` draws the same distribution from one exponential variate per
+    vocabulary entry: 1 ms for SmolLM2's 49,152 tokens on the development CPU, a fifth of a plain
+    step's forward, against 0.05 ms here."""
+    cum = probs.double().cumsum(-1)
+    u = torch.rand(cum.shape[0], 1, dtype=torch.float64, generator=generator) * cum[:, -1:]
+    chosen = torch.searchsorted(cum, u, right=True).squeeze(1)
+    for row in (chosen >= cum.shape[1]).nonzero().flatten().tolist():
+        # the draw rounded up to the total itself: the row's last token of weight > 0
+        chosen[row] = probs[row].nonzero()[-1, 0]
+    return chosen
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from a probability vector [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from a weight vector [V] (``sample_rows``)."""
+    return int(sample_rows(probs.unsqueeze(0), generator)[0])
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, processed_probs
+from .sampling import SamplingParams, processed_probs, sample
 from .tree import Tree
 
 
@@ -61,7 +61,6 @@ def verify_greedy(tree: Tree, logits: torch.Tensor) -> Verdict:
 
 def verify_sampling(tree: Tree, logits: torch.Tensor, params: SamplingParams,
                     generator: torch.Generator) -> Verdict:
-    probs = processed_probs(logits, params)  # [n, vocab]
     parents = tree.parents.tolist()
     tokens = tree.tokens.tolist()
     children: dict[int, list[int]] = {}
@@ -69,7 +68,9 @@ def verify_sampling(tree: Tree, logits: torch.Tensor, params: SamplingParams,
         children.setdefault(parents[node], []).append(node)
     node, accepted = 0, [0]
     while True:
-        p = probs[node]
+        # only the rows the walk reaches are processed (at most the accepted path and one more):
+        # a 16-node tree's softmax over the whole vocabulary took 0.2 ms of a 5 ms cycle
+        p = processed_probs(logits[node], params)
         moved = False
         for child in children.get(node, ()):
             x = tokens[child]
@@ -78,9 +79,9 @@ def verify_sampling(tree: Tree, logits: torch.Tensor, params: SamplingParams,
                 node, moved = child, True
                 accepted.append(child)
                 break
-            p[x] = 0.0  # rejected: the residual distribution excludes x (probs is ours to modify)
+            p[x] = 0.0  # rejected: the residual distribution excludes x (p is a fresh tensor)
         if not moved:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
+            bonus = sample(p, generator)
             return Verdict(torch.tensor(accepted), bonus)
 
 
