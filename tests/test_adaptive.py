@@ -166,11 +166,15 @@ def test_depth_follows_observed_acceptance(tiny):
         tree.scores = torch.tensor([0.0, math.log(0.5)])
         proposer.feedback(tree, Verdict(torch.tensor([0]), 7))
     assert proposer.choose_depth() == 0
+    # the prior fades like the cycles observed, all but DEPTH_PRIOR_FLOOR of its weight (held
+    # whole, it kept the estimate at 0.17 against a draft that reaches nothing)
+    assert proposer.reach_probability()[0] < 0.1
     for _ in range(40):  # then everything accepted
         tree = build_tree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 1]))
         tree.scores = torch.tensor([0.0, math.log(0.5), math.log(0.3)])
         proposer.feedback(tree, Verdict(torch.tensor([0, 1, 2]), 7))
     assert proposer.choose_depth() >= 2
+    assert proposer.reach_probability()[0] > 0.9
 
 
 @pytest.mark.parametrize("costs, method, overrides", [
