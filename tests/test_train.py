@@ -155,8 +155,10 @@ def test_heldout_metrics_count_what_drafting_would_propose(tiny_setup):
     assert 0 <= min(ev["top1"]) and max(ev["top1"]) <= 1 and same.numel() == L - 1
 
 
-def make_feature_dataset(folder: str, target_dir: str, n_records: int = 12, seed: int = 0) -> str:
-    """A dataset in `jakiro data` format from a tiny target's real features."""
+def make_feature_dataset(folder: str, target_dir: str, n_records: int = 12, seed: int = 0,
+                         aux_layers: tuple[int, ...] = ()) -> str:
+    """A dataset in `jakiro data` format from a tiny target's real features (and the residual
+    streams after ``aux_layers``)."""
     target = TargetModel.from_folder(target_dir)
     g = torch.Generator().manual_seed(seed)
     records = []
@@ -165,7 +167,7 @@ def make_feature_dataset(folder: str, target_dir: str, n_records: int = 12, seed
         n = int(torch.randint(20, 40, (1,), generator=g))
         ids = torch.randint(2, 256, (n,), generator=g)
         with torch.inference_mode():
-            _, feats = target(ids, target.new_cache(n))
+            _, feats = target(ids, target.new_cache(n), aux_layers=aux_layers)
         mask = [0] * 5 + [1] * (n - 5)
         records.append((ids.tolist(), mask, feats))
         for t in ids.tolist():
@@ -176,6 +178,8 @@ def make_feature_dataset(folder: str, target_dir: str, n_records: int = 12, seed
                           "source": "test", "max_len": 64, "regenerate": "none", "seed": 0},
              "records_done": n_records, "records": n_records, "tokens": 0, "loss_tokens": 0,
              "shards": shards, "token_counts": counts}
+    if aux_layers:
+        state["identity"]["aux_layers"] = list(aux_layers)
     with open(os.path.join(folder, STATE_FILE), "w") as f:
         json.dump(state, f)
     return folder

@@ -55,7 +55,7 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
 
     draft = load_draft(shipped_draft(method), jk.target)
     gen = torch.Generator().manual_seed(0)
-    d = draft.config.hidden_size
+    d, w = draft.config.hidden_size, draft.feature_width  # w: the target features proposers observe
     cache = draft.new_cache(context + 64)
     with torch.inference_mode():
         draft(torch.randn(1, context, d, generator=gen), torch.randint(0, 1000, (1, context), generator=gen),
@@ -79,22 +79,22 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
 
     proposer.start(context + 4 * repeats + 64, prompt_vocab=False)
     ids = torch.randint(0, 1000, (context,), generator=gen).tolist()
-    proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [7]))
+    proposer.observe(torch.randn(context, w, generator=gen), torch.tensor(ids[1:] + [7]))
     proposer.propose(ids)
 
     def cycle():
-        proposer.observe(torch.randn(1, d, generator=gen), torch.tensor([7]))
+        proposer.observe(torch.randn(1, w, generator=gen), torch.tensor([7]))
         proposer.propose(ids)
 
     # the chain the tuner picks on this machine: catch up on two committed positions, draft two
     # tokens one at a time (top-1, no contrastive branch), right after a target forward
     chain = DraftProposer(draft, TreeBudget(2, 1, 2), parallel_decoding=False)
     chain.start(context + 4 * repeats + 64, prompt_vocab=False)
-    chain.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [7]))
+    chain.observe(torch.randn(context, w, generator=gen), torch.tensor(ids[1:] + [7]))
     chain.propose(ids)
 
     def chain_cycle():
-        chain.observe(torch.randn(2, d, generator=gen), torch.tensor([7, 8]))
+        chain.observe(torch.randn(2, w, generator=gen), torch.tensor([7, 8]))
         chain.propose(ids)
     with torch.inference_mode():
         chain_ms = median_ms(chain_cycle, repeats, warmup=1, before=lambda: jk.target(one, target_cache))

@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..decoding.sampling import SamplingParams, processed_probs, sample_rows
+from ..models.target import half_features
 
 MIN_ANSWER_ROOM = 16  # tokens an answer must be allowed before a turn is worth prefilling
 
@@ -40,6 +41,7 @@ class RegenSettings:
     temperature: float = 0.8  # sampled answers
     top_p: float = 0.95
     seed: int = 0
+    aux_layers: tuple[int, ...] = ()  # mid-layer streams kept with the features (``TargetModel.forward``)
 
 
 @dataclass
@@ -135,7 +137,8 @@ class Regenerator:
         B = s.batch
         cache = self.target.new_batch_cache(B, s.max_len + 1)
         if self.collect is not None:
-            self.slot_features = torch.zeros(B, s.max_len + 1, self.target.config.hidden_size, dtype=torch.float16)
+            width = (1 + len(s.aux_layers)) * self.target.config.hidden_size
+            self.slot_features = torch.zeros(B, s.max_len + 1, width, dtype=torch.float16)
         slots: list[_Conversation | None] = [None] * B
         tokens = torch.zeros(B, dtype=torch.long)
         t0 = time.perf_counter()
@@ -143,9 +146,11 @@ class Regenerator:
             self._refill(b, slots, cache, tokens, jobs, write)
         rows = torch.arange(B)
         while any(slots):
-            logits, features = self.target.decode_batch(tokens, cache)  # [B, vocab], [B, d]
+            # [B, vocab], [B, width]; the mid-layer streams only where features are collected
+            logits, features = self.target.decode_batch(
+                tokens, cache, aux_layers=s.aux_layers if self.slot_features is not None else ())
             if self.slot_features is not None:
-                self.slot_features[rows, cache.lengths] = features.to(torch.float16)
+                self.slot_features[rows, cache.lengths] = half_features(features)
             cache.advance()
             chosen = self._choose(logits, slots)
             fed = tokens.tolist()
@@ -224,9 +229,10 @@ class Regenerator:
         keep = min(_common_prefix(conv.fed, ids), len(ids) - 1)
         slot = cache.slot(b)
         slot.length = keep
-        logits, features = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None), chunked=True)
+        logits, features = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None), chunked=True,
+                                       aux_layers=self.s.aux_layers if self.slot_features is not None else ())
         if self.slot_features is not None:
-            self.slot_features[b, keep:len(ids)] = features.to(torch.float16)
+            self.slot_features[b, keep:len(ids)] = half_features(features)
         cache.set_length(b, len(ids))
         conv.fed = ids
         self.stats.reused_prompt_tokens += keep
@@ -271,8 +277,9 @@ class Regenerator:
         if common < len(ids):
             slot = cache.slot(b)
             slot.length = common
-            _, rest = self.target(torch.tensor(ids[common:]), slot, logits_rows=slice(0, 0))
-            features = torch.cat((features, rest.to(torch.float16)))
+            _, rest = self.target(torch.tensor(ids[common:]), slot, logits_rows=slice(0, 0),
+                                  aux_layers=self.s.aux_layers)
+            features = torch.cat((features, half_features(rest)))
             self.stats.feature_tokens_computed += len(ids) - common
         self.stats.feature_tokens_reused += common
         self.collect(record, ids, mask, features.clone())

@@ -175,7 +175,7 @@ def _prepared(target, proposer: DraftProposer, context: int, calls: int, rows: i
     for ``calls`` proposals; returns the context and a function that commits ``rows`` more
     positions for the draft to catch up on."""
     gen = torch.Generator().manual_seed(0)
-    vocab, d = target.config.vocab_size, proposer.draft.config.hidden_size
+    vocab, d = target.config.vocab_size, proposer.draft.feature_width
     ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
     proposer.start(context + (calls + 1) * rows + proposer.budget.depth + 8, prompt_vocab=False)
     proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [ids[0]]))
@@ -230,6 +230,7 @@ class AdaptiveProposer(Proposer):
                                if adaptive else None)
         self.name = inner.name + ("+pld" if lookup else "") if inner else lookup.name
         self.needs_features = inner is not None
+        self.aux_layers = inner.aux_layers if inner else ()
         self.max_depth = inner.budget.depth if inner else 0
         self.max_tree_depth = max(self.max_depth, lookup.num_tokens if lookup else 0)
         self.start_stats()

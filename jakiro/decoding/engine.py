@@ -195,7 +195,8 @@ class Engine:
         target, proposer = self.target, self.proposer
         cache = target.new_cache(len(ids) + max_new_tokens, scratch=proposer.max_tree_tokens)
         proposer.start(len(ids) + max_new_tokens)
-        logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None), chunked=True)
+        logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None), chunked=True,
+                               aux_layers=proposer.aux_layers)
         cache.commit(len(ids))
         first = next_token(logits[0], params, generator)
         if proposer.needs_features:
@@ -226,9 +227,9 @@ class Engine:
         t1 = time.perf_counter()
         if tree.size > 1:
             logits, feats = target(tree.tokens, cache, position_ids=cache.length + tree.depths,
-                                   tree_mask=tree.tree_mask)
+                                   tree_mask=tree.tree_mask, aux_layers=proposer.aux_layers)
         else:
-            logits, feats = target(tree.tokens, cache)
+            logits, feats = target(tree.tokens, cache, aux_layers=proposer.aux_layers)
         verdict = _verify.verify(tree, logits, params, generator)
         proposer.feedback(tree, verdict)
         cache.keep(verdict.accepted)

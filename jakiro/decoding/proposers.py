@@ -20,12 +20,14 @@ class Proposer:
     needs_features = False
     max_tree_tokens = 1  # the most nodes (root included) a proposed tree can have
     max_tree_depth = 0  # the deepest draft level a proposed tree can reach
+    aux_layers: tuple[int, ...] = ()  # mid-layer streams ``observe`` wants with the target's features
 
     def start(self, max_len: int) -> None:
         """Prepare for a request whose sequence will not exceed ``max_len`` tokens."""
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """features [m, d] at newly committed positions t; next_tokens [m] = x_{t+1}."""
+        """features [m, d] at newly committed positions t (wider with ``aux_layers``, as the
+        target's forward returns them); next_tokens [m] = x_{t+1}."""
 
     def propose(self, context: list[int]) -> Tree:
         """A tree whose root is context[-1]. The base proposer drafts nothing (plain decoding)."""
@@ -158,6 +160,7 @@ class DraftProposer(Proposer):
             # the contrastive branch of a node's forward predicts the children of its best child only
             self.parallel = all(p[-2] == 0 for p in static.at_depth(static.depth))
         self.max_tree_tokens, self.max_tree_depth = budget.total_tokens + 1, budget.depth
+        self.aux_layers = tuple(cfg.aux_layers)
         self.head_vocab, self.prompt_vocab = head_vocab, prompt_vocab
         self._head = None  # this request's head rows (``head``)
         self._new_request = False
@@ -199,7 +202,7 @@ class DraftProposer(Proposer):
         return self.draft.head(self.head_vocab, extra=self.prompt_tokens(context))
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        self._pending.append((features, next_tokens))
+        self._pending.append((self.draft.input_features(features), next_tokens))
 
     @property
     def pending_rows(self) -> int:

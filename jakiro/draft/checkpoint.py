@@ -46,6 +46,9 @@ def check_compatible(config: DraftConfig, target_config) -> None:
         problems.append(f"hidden size {config.hidden_size} != target's {target_config.hidden_size}")
     if config.vocab_size != target_config.vocab_size:
         problems.append(f"vocabulary {config.vocab_size} != target's {target_config.vocab_size}")
+    if config.aux_layers and max(config.aux_layers) >= target_config.num_layers:
+        problems.append(f"it reads the residual stream after layer {max(config.aux_layers)}, the target has "
+                        f"{target_config.num_layers} decoder layers")
     if problems:
         name = f" ({config.target_name})" if config.target_name else ""
         raise JakiroError(f"draft does not match the target: {'; '.join(problems)}; "

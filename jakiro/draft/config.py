@@ -28,6 +28,9 @@ class DraftConfig:
     parallel_decoding: bool = False
     draft_vocab_size: int | None = None  # None = the full target vocabulary
     target_name: str = ""
+    # mid-layer inputs: the target's residual stream after these many decoder layers, mapped into
+    # the first draft step's input feature (empty: the final feature alone, as EAGLE-2)
+    aux_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -44,6 +47,9 @@ class DraftConfig:
             if self.num_experts < self.experts_per_token:
                 raise JakiroError(f"num_experts ({self.num_experts}) must be >= experts_per_token "
                                   f"({self.experts_per_token})")
+        self.aux_layers = [int(a) for a in self.aux_layers]
+        if self.aux_layers != sorted(set(self.aux_layers)) or any(a < 1 for a in self.aux_layers):
+            raise JakiroError(f"aux_layers must be increasing layer counts >= 1, got {self.aux_layers}")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise JakiroError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
 
@@ -75,7 +81,7 @@ class DraftConfig:
         """config.json: Llama-style keys (readable by transformers) plus a ``jakiro`` block."""
         d = asdict(self)
         jakiro = {k: d.pop(k) for k in ("method", "num_experts", "experts_per_token", "candidate_mode",
-                                        "parallel_decoding", "draft_vocab_size", "target_name")}
+                                        "parallel_decoding", "draft_vocab_size", "target_name", "aux_layers")}
         jakiro["target_hidden_size"] = self.hidden_size
         jakiro["target_vocab_size"] = self.vocab_size
         d.update(model_type="llama", architectures=["JakiroDraft"], num_hidden_layers=1,

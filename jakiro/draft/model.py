@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import JakiroError
 from ..models.kv_cache import KVCache
 from ..models import smallgemm
 from ..models.linear import SMALL_ROWS, FastLinear
@@ -95,6 +96,8 @@ class DraftModel(nn.Module):
             self.router = nn.Linear(d, n_exp, bias=False)
             if c.parallel_decoding:
                 self.con_router = nn.Linear(d, n_exp, bias=False)
+        if c.aux_layers:  # mid-layer streams -> the first step's input feature
+            self.aux_proj = nn.Linear(len(c.aux_layers) * d, d, bias=False)
         if c.draft_vocab_size is not None:
             self.register_buffer("d2t", torch.arange(c.draft_vocab_size, dtype=torch.long))
         self.reset_parameters()
@@ -122,6 +125,36 @@ class DraftModel(nn.Module):
         for name in ("router", "con_router"):
             if hasattr(self, name):
                 nn.init.normal_(getattr(self, name).weight, std=std)
+        if hasattr(self, "aux_proj"):  # starts as the draft without mid-layer inputs
+            nn.init.zeros_(self.aux_proj.weight)
+
+    # ------------------------------------------------------------------ mid-layer inputs
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features this draft reads: the final feature, then the residual
+        stream after each of ``config.aux_layers`` (``TargetModel.forward(aux_layers=...)``)."""
+        return (1 + len(self.config.aux_layers)) * self.config.hidden_size
+
+    def split_features(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target features [..., width] -> (the final feature [..., d], what the mid-layer streams
+        add to the first step's input [..., d], or None without them). Wider features than the
+        draft reads (a dataset that also holds mid-layer streams) give the final feature alone."""
+        d = self.config.hidden_size
+        if not self.config.aux_layers:
+            return features[..., :d], None
+        if features.shape[-1] != self.feature_width:
+            raise JakiroError(f"this draft reads the target's features and its residual streams after layers "
+                              f"{self.config.aux_layers} ({self.feature_width} values per token), got "
+                              f"{features.shape[-1]}")
+        streams = features[..., d:].unflatten(-1, (len(self.config.aux_layers), d))
+        streams = F.rms_norm(streams, (d,), eps=self.config.rms_norm_eps).flatten(-2)
+        return features[..., :d], self.aux_proj(streams)
+
+    def input_features(self, features: torch.Tensor) -> torch.Tensor:
+        """What the first draft step reads at committed positions: the final feature plus the
+        mid-layer streams' part."""
+        final, extra = self.split_features(features)
+        return final if extra is None else final + extra
 
     # ------------------------------------------------------------------ target coupling
     def attach_target(self, embed: torch.Tensor, lm_head: torch.Tensor,

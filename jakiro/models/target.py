@@ -29,6 +29,12 @@ ROPE_SLACK = 256  # positions beyond the context reserved for uncommitted draft-
 CHUNKED_PREFILL_MAX = 512
 
 
+def half_features(features: torch.Tensor) -> torch.Tensor:
+    """Features as datasets store them: float16, clamped to its range (a mid-layer residual
+    stream can hold outliers beyond it, which the draft normalises away anyway)."""
+    return features.clamp(-65504.0, 65504.0).to(torch.float16)
+
+
 @dataclass
 class TargetConfig:
     model_type: str
@@ -261,14 +267,16 @@ class TargetModel:
                 position_ids: torch.Tensor | None = None,
                 tree_mask: torch.Tensor | None = None,
                 logits_rows: torch.Tensor | slice | None = None, chunked: bool = False,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the model over ``n`` new tokens placed after the cache's committed prefix.
 
         input_ids: [n] long. position_ids: [n] (default: consecutive after the prefix).
         tree_mask: [n, n] bool, True where new token i may attend new token j (default causal).
         logits_rows: which rows get logits (default all). Returns (logits [r, vocab],
         features [n, d]). The new KV entries are written but not committed: call
-        ``cache.commit`` or ``cache.keep`` afterwards.
+        ``cache.commit`` or ``cache.keep`` afterwards. ``aux_layers`` (increasing layer counts,
+        e.g. (3, 15)): the features also carry the residual stream after that many decoder layers,
+        [n, (1 + len(aux_layers)) * d], the final feature first (drafts with mid-layer inputs).
 
         ``chunked`` (prompts): with the AMX kernel, a causal run of up to ``CHUNKED_PREFILL_MAX``
         tokens goes through the one-call stack in pieces of ``SMALL_ROWS`` instead of oneDNN over
@@ -283,26 +291,58 @@ class TargetModel:
             position_ids = torch.arange(past, past + n)
         if n == 1 and tree_mask is not None and not bool(tree_mask[0, 0]):
             raise ValueError("a token must attend to itself")
+        self.check_aux_layers(aux_layers)
         x = self.embed[input_ids]  # [n, d]
         if self._fused is not None and (n <= SMALL_ROWS or (
                 chunked and self._chunk_prompts and tree_mask is None and n <= CHUNKED_PREFILL_MAX)):
             cache.check_room(n)
+            weights, sizes = self._fused
             pieces = []  # a longer causal run (a prompt) in pieces of SMALL_ROWS, each after those before it
             for s in range(0, n, SMALL_ROWS):
                 pos = position_ids[s:s + SMALL_ROWS]
-                pieces.append(smallgemm.decoder_layers(x[s:s + SMALL_ROWS], *self._fused, cache.data, past + s,
-                                                       self.cos[pos], self.sin[pos], tree_mask, cfg.num_heads,
-                                                       cfg.num_kv_heads, cfg.rms_norm_eps, self.scale))
+
+                def run(h, a, b):  # layers a..b-1 in one call
+                    return smallgemm.decoder_layers(h, weights[9 * a:9 * b], sizes[4 * a:4 * b], cache.data[a:b],
+                                                    past + s, self.cos[pos], self.sin[pos], tree_mask,
+                                                    cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale)
+                pieces.append(self._stack(run, x[s:s + SMALL_ROWS], aux_layers))
             x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         else:
-            x = self._layers(x, cache, position_ids, tree_mask)
-        features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
-        rows = features if logits_rows is None else features[logits_rows]
+            x = self._layers(x, cache, position_ids, tree_mask, aux_layers)
+        features = self._features(x)
+        rows = features[:, :cfg.hidden_size] if logits_rows is None else features[logits_rows, :cfg.hidden_size]
         return self.lm_head(rows), features
 
+    def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
+        layers = self.config.num_layers
+        if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < a < layers for a in aux_layers):
+            raise JakiroError(f"mid-layer features must come after increasing layer counts in 1..{layers - 1} "
+                              f"(this target has {layers} decoder layers), got {list(aux_layers)}")
+
+    def _stack(self, run, x: torch.Tensor, aux_layers: tuple[int, ...]) -> torch.Tensor:
+        """``run(x, a, b)`` over the decoder layers, cut after each of ``aux_layers``: the last
+        residual stream, then (with ``aux_layers``) the streams at the cuts, [n, (1 + A), d]."""
+        if not aux_layers:
+            return run(x, 0, self.config.num_layers)
+        streams, start = [], 0
+        for end in (*aux_layers, self.config.num_layers):
+            x = run(x, start, end)
+            streams.append(x)
+            start = end
+        return torch.stack([streams[-1], *streams[:-1]], 1)
+
+    def _features(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the last stream; mid-layer streams ([n, 1 + A, d]) follow it as they are."""
+        cfg = self.config
+        if x.dim() == 2:
+            return F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
+        final = F.rms_norm(x[:, 0], (x.shape[-1],), self.norm, cfg.rms_norm_eps)
+        return torch.cat((final, x[:, 1:].flatten(1)), 1)
+
     def _layers(self, x: torch.Tensor, cache: KVCache, position_ids: torch.Tensor,
-                tree_mask: torch.Tensor | None) -> torch.Tensor:
-        """The decoder stack in torch operations (prefills, and where the fused one is unavailable)."""
+                tree_mask: torch.Tensor | None, aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
+        """The decoder stack in torch operations (prefills, and where the fused one is unavailable);
+        see ``_stack`` for ``aux_layers``."""
         n, past = x.shape[0], cache.length
         cos = self.cos[position_ids].unsqueeze(1)  # [n, 1, D]
         sin = self.sin[position_ids].unsqueeze(1)
@@ -313,42 +353,55 @@ class TargetModel:
             else:
                 new_mask = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
                 attn_mask = torch.cat((torch.ones(n, past, dtype=torch.bool), new_mask), 1)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._attention_inputs(layer, x, cos, sin)
-            k_all, v_all = cache.write(i, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
-            x = self._attention_output_and_mlp(layer, x, self._attend(q, k_all, v_all, attn_mask, is_causal))
-        return x
+
+        def run(h, a, b):
+            for i in range(a, b):
+                layer = self.layers[i]
+                q, k, v = self._attention_inputs(layer, h, cos, sin)
+                k_all, v_all = cache.write(i, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
+                h = self._attention_output_and_mlp(layer, h, self._attend(q, k_all, v_all, attn_mask, is_causal))
+            return h
+        return self._stack(run, x, aux_layers)
 
     @torch.inference_mode()
-    def decode_batch(self, input_ids: torch.Tensor, cache: BatchKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_batch(self, input_ids: torch.Tensor, cache: BatchKVCache,
+                     aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """One new token for each of the cache's sequences, at position ``cache.lengths[b]``:
-        input_ids [batch] -> (logits [batch, vocab], features [batch, d]). The new entries are
-        written; ``cache.advance()`` commits them."""
+        input_ids [batch] -> (logits [batch, vocab], features [batch, d], wider with
+        ``aux_layers`` as in ``forward``). The new entries are written; ``cache.advance()``
+        commits them."""
         cfg = self.config
         B, H, D = input_ids.shape[0], cfg.num_heads, cfg.head_dim
         if B != cache.batch:
             raise ValueError(f"{B} tokens for a cache of {cache.batch} sequences")
+        self.check_aux_layers(aux_layers)
         positions = cache.lengths
         x = self.embed[input_ids]  # [B, d]
         if self._fused is not None:
             cache.check_room()
-            x = smallgemm.decoder_layers_batch(x, *self._fused, cache.data, positions, self.cos[positions],
-                                               self.sin[positions], cfg.num_heads, cfg.num_kv_heads,
-                                               cfg.rms_norm_eps, self.scale)
-            features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
-            return self.lm_head(features), features
-        cos = self.cos[positions].unsqueeze(1)  # [B, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        mask = cache.attention_mask()
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._attention_inputs(layer, x, cos, sin)
-            k_all, v_all = cache.write(i, k, v)
-            # the query heads sharing a KV head as g rows of one head (see ``_attend``)
-            o = F.scaled_dot_product_attention(q.reshape(B, cfg.num_kv_heads, -1, D), k_all, v_all,
-                                               attn_mask=mask, scale=self.scale)
-            x = self._attention_output_and_mlp(layer, x, o.reshape(B, H * D))
-        features = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
-        return self.lm_head(features), features
+            weights, sizes = self._fused
+
+            def run(h, a, b):  # layers a..b-1 in one call
+                return smallgemm.decoder_layers_batch(h, weights[9 * a:9 * b], sizes[4 * a:4 * b], cache.data[a:b],
+                                                      positions, self.cos[positions], self.sin[positions],
+                                                      cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale)
+        else:
+            cos = self.cos[positions].unsqueeze(1)  # [B, 1, D]
+            sin = self.sin[positions].unsqueeze(1)
+            mask = cache.attention_mask()
+
+            def run(h, a, b):
+                for i in range(a, b):
+                    layer = self.layers[i]
+                    q, k, v = self._attention_inputs(layer, h, cos, sin)
+                    k_all, v_all = cache.write(i, k, v)
+                    # the query heads sharing a KV head as g rows of one head (see ``_attend``)
+                    o = F.scaled_dot_product_attention(q.reshape(B, cfg.num_kv_heads, -1, D), k_all, v_all,
+                                                       attn_mask=mask, scale=self.scale)
+                    h = self._attention_output_and_mlp(layer, h, o.reshape(B, H * D))
+                return h
+        features = self._features(self._stack(run, x, aux_layers))
+        return self.lm_head(features[:, :cfg.hidden_size]), features
 
     def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                 attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:

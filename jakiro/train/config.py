@@ -20,6 +20,17 @@ def _at_least_one(cfg, names: tuple[str, ...]) -> None:
             raise JakiroError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
 
 
+def parse_layers(text: str, option: str = "--aux-layers") -> tuple[int, ...]:
+    """'3,15' -> (3, 15): increasing decoder-layer counts, each >= 1 ('' -> none)."""
+    try:
+        layers = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise JakiroError(f"{option} takes comma-separated layer counts such as 3,15, got {text!r}") from None
+    if list(layers) != sorted(set(layers)) or any(a < 1 for a in layers):
+        raise JakiroError(f"{option} must list increasing layer counts >= 1, got {text!r}")
+    return layers
+
+
 def _opt(default, help: str, **cli):
     """A dataclass field with its command-line help (and argparse extras such as ``choices``)."""
     return field(default=default, metadata={"help": help, **cli})
@@ -49,6 +60,9 @@ class DataConfig:
     filter_evaluation: bool = _opt(True, "drop conversations that touch MT-bench, Spec-Bench or HumanEval prompts")
     skip_bad: bool = _opt(False, "skip malformed lines of a JSONL source (counted and reported) instead of "
                                  "stopping at the first")
+    aux_layers: str = _opt("", "also store the target's residual stream after these decoder layers "
+                               "(comma-separated counts, e.g. 3,15) for drafts with mid-layer inputs "
+                               "(jakiro train --aux-layers); three times the storage for two layers")
 
     def check(self) -> None:
         """Refuse settings that cannot build a dataset (the command line and the API alike)."""
@@ -61,6 +75,7 @@ class DataConfig:
             raise JakiroError(f"--source {self.source} holds prompts only: add --regenerate greedy (or sample)")
         if self.first_record < 0:
             raise JakiroError(f"--first-record must be >= 0, got {self.first_record}")
+        parse_layers(self.aux_layers)
         if self.first_record and self.regenerate != "none":
             raise JakiroError("--first-record applies to a source read as it is; with --regenerate, "
                               "--max-records already continues the regenerated file")
@@ -70,7 +85,8 @@ class DataConfig:
     def regen_settings(self):
         from ..data.regenerate import RegenSettings
         return RegenSettings(mode=self.regenerate, max_len=self.max_len, max_new_tokens=self.regen_max_tokens,
-                             batch=self.regen_batch, sample_share=self.sample_share, seed=self.seed)
+                             batch=self.regen_batch, sample_share=self.sample_share, seed=self.seed,
+                             aux_layers=parse_layers(self.aux_layers))
 
 
 @dataclass
@@ -108,6 +124,9 @@ class TrainConfig:
                                        "continue a single-step run with --unroll 4; a jakiro run may start "
                                        "from an eagle2 draft (every expert a copy of its MLP)",
                                  metavar="DRAFT")
+    aux_layers: str = _opt("", "mid-layer inputs: the draft's first step also reads the target's residual "
+                               "stream after these decoder layers (e.g. 3,15; the data must hold them: "
+                               "jakiro data --aux-layers)")
     eval_every: int = _opt(200, "held-out metrics every N steps")
     eval_records: int = _opt(32, "held-out records (the dataset's last ones, at most 5 %%)")
     eval_steps: int = _opt(4, "draft steps evaluated")
@@ -133,6 +152,7 @@ class TrainConfig:
             raise JakiroError(f"--p-weight must be >= 0, got {self.p_weight}")
         if not self.lr > 0:
             raise JakiroError(f"--lr must be > 0, got {self.lr}")
+        parse_layers(self.aux_layers)
         if self.batch_size % world:
             raise JakiroError(f"batch size {self.batch_size} must be divisible by the {world} processes")
 

@@ -14,7 +14,8 @@ import torch
 from ..data.conversations import iter_conversations
 from ..data.decontaminate import PromptFilter, evaluation_prompts
 from ..errors import JakiroError
-from .config import DataConfig
+from ..models.target import half_features
+from .config import DataConfig, parse_layers
 
 STATE_FILE = "state.json"
 
@@ -179,15 +180,17 @@ class _GeneratedFeatures:
             for i, line in enumerate(handle.get_tensor("lines").tolist()):
                 self.where[line] = (path, offsets[i], offsets[i + 1])
 
-    def get(self, line: int, ids: list[int]) -> torch.Tensor | None:
+    def get(self, line: int, ids: list[int], width: int) -> torch.Tensor | None:
+        """``width``: values per token wanted (the final feature and any mid-layer streams)."""
         found = self.where.get(line)
         if found is None:
             return None
         path, a, b = found
         handle = self.files[path]
-        if handle.get_slice("input_ids")[a:b].tolist() != ids:
+        features = handle.get_slice("features")
+        if features.get_shape()[1] != width or handle.get_slice("input_ids")[a:b].tolist() != ids:
             return None
-        return handle.get_slice("features")[a:b]
+        return features[a:b]
 
 
 def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[int], torch.Tensor]]) -> str:
@@ -199,7 +202,7 @@ def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[in
     tensors = {
         "input_ids": torch.tensor([t for ids, _, _ in records for t in ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for _, mask, _ in records for m in mask], dtype=torch.uint8),
-        "features": torch.cat([f for _, _, f in records]).to(torch.float16),
+        "features": half_features(torch.cat([f for _, _, f in records])),
         "offsets": torch.tensor(offsets, dtype=torch.int64),
     }
     tmp = os.path.join(folder, name + ".tmp")
@@ -255,6 +258,10 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         identity.update(regen_max_tokens=cfg.regen_max_tokens, sample_share=cfg.sample_share)
     if cfg.first_record:
         identity["first_record"] = cfg.first_record
+    aux_layers = parse_layers(cfg.aux_layers)
+    if aux_layers:
+        target.check_aux_layers(aux_layers)
+        identity["aux_layers"] = list(aux_layers)
     state = _read_state(out)
     if state is None:
         if any(f.startswith("shard-") and f.endswith(".safetensors") for f in os.listdir(out)):
@@ -301,11 +308,12 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         if tok is None:
             continue
         ids, mask = tok
-        feats = generated.get(item[0], ids) if generated is not None else None
+        width = (1 + len(aux_layers)) * target.config.hidden_size
+        feats = generated.get(item[0], ids, width) if generated is not None else None
         if feats is None:
             with torch.inference_mode():
                 cache = target.new_cache(len(ids))
-                _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0))
+                _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0), aux_layers=aux_layers)
             feature_tokens += len(ids)
         else:
             state["features_from_regeneration"] = state.get("features_from_regeneration", 0) + 1
@@ -381,6 +389,10 @@ class FeatureDataset:
             if self.parts and _target_keys(ident) != _target_keys(self.identity):
                 raise JakiroError(f"datasets {folders[0]} and {folder} were built for different targets "
                                   f"({self.identity['target_name']} and {ident['target_name']})")
+            if self.parts and ident.get("aux_layers", []) != self.identity.get("aux_layers", []):
+                raise JakiroError(f"datasets {folders[0]} and {folder} hold different mid-layer streams "
+                                  f"({self.identity.get('aux_layers', [])} and {ident.get('aux_layers', [])}); "
+                                  f"build them with the same jakiro data --aux-layers")
             if not self.parts:
                 self.identity = ident
             records = len(offsets)
@@ -401,6 +413,19 @@ class FeatureDataset:
         self.mask = torch.cat(masks)
         self.features = torch.cat(feats)  # float16; converted per batch
         self.offsets = torch.tensor(offsets)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The layers whose residual streams follow each token's final feature (``jakiro data --aux-layers``)."""
+        return tuple(self.identity.get("aux_layers", ()))
+
+    def check_draft(self, draft_config) -> None:
+        """Refuse a draft that reads mid-layer streams this dataset does not hold."""
+        if draft_config.aux_layers and tuple(draft_config.aux_layers) != self.aux_layers:
+            held = f"the streams after layers {list(self.aux_layers)}" if self.aux_layers else "no mid-layer streams"
+            raise JakiroError(f"the draft reads the target's residual streams after layers {draft_config.aux_layers} "
+                              f"but dataset {self.folder} holds {held}; rebuild it with "
+                              f"jakiro data --aux-layers {','.join(map(str, draft_config.aux_layers))}")
 
     def check_target(self, target) -> None:
         """Refuse a target whose features or vocabulary differ from the one this dataset was built

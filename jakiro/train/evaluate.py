@@ -36,6 +36,7 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     out = []
     for folder in drafts:
         draft = load_draft(folder, model)
+        ds.check_draft(draft.config)
         metrics = heldout_metrics(draft, heldout_batches(ds, eval_idx, seq_len, "cpu"), steps, model.lm_head.weight)
         row = {"draft": folder, "heldout_records": len(eval_idx),
                **{k: [round(x, 4) for x in v] for k, v in metrics.items()}}

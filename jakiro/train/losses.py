@@ -162,6 +162,15 @@ def step_parts(model, rows: StepRows, targets: TargetRows, mask: torch.Tensor, h
     return parts
 
 
+def _inputs(model, feats: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Target features as a dataset holds them -> (the final features, what is added to the first
+    step's inputs: the noise and, for a draft with mid-layer inputs, the streams' part)."""
+    feats, extra = model.split_features(feats)
+    if extra is None:
+        return feats, noise
+    return feats, extra if noise is None else noise + extra
+
+
 def draft_loss(model, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor, steps: int = 1,
                noise: torch.Tensor | None = None, jakiro_loss: str = "separate",
                decay: float = STEP_DECAY, p_weight: float = P_WEIGHT) -> tuple[torch.Tensor, dict]:
@@ -169,6 +178,7 @@ def draft_loss(model, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor
     per step, as floats); ``p_weight``: the cross-entropy's weight (``branch_loss``)."""
     if jakiro_loss not in JAKIRO_LOSSES:
         raise ValueError(f"unknown Jakiro loss {jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
+    feats, noise = _inputs(model, feats, noise)
     head = model.head_weight
     targets = TargetRows(feats, mask, head)
     lookahead = 2 if model.config.parallel_decoding else 1
@@ -203,9 +213,10 @@ def heldout_metrics(model, batches, steps: int, full_head: torch.Tensor) -> dict
     jakiro = model.config.method == "jakiro"
     decoupled = jakiro and model.config.candidate_mode == "decoupled"
     for ids, feats, mask in batches:
+        feats, extra = _inputs(model, feats, None)
         target_tok = torch.full(mask.shape, -1, dtype=torch.long)
         target_tok[mask] = F.linear(feats[mask], full_head).argmax(-1)
-        for rows in unroll(model, ids, feats, mask, steps, lookahead=2 if jakiro else 1):
+        for rows in unroll(model, ids, feats, mask, steps, extra, lookahead=2 if jakiro else 1):
             k = rows.step - 1
             ok, b, p = rows.targets(mask)
             if jakiro:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..draft import DraftConfig, DraftModel, load_draft, save_draft
 from ..errors import JakiroError
 from .dataset import FeatureDataset
-from .config import TrainConfig
+from .config import TrainConfig, parse_layers
 from .losses import draft_loss, heldout_metrics
 
 
@@ -42,14 +42,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def make_batch(ds: FeatureDataset, indices: list[int], seq_len: int, device,
                noise: float = 0.0, noise_seed: int = 0) -> tuple:
-    """Pad records to a common length: ids [B, T], feats [B, T, d] float32, mask [B, T] bool,
+    """Pad records to a common length: ids [B, T], feats [B, T, width] float32, mask [B, T] bool,
     and the input noise [B, T, d]. A record's noise depends only on (noise_seed, its index), so a
     batch is the same however it is split over processes and however often training resumes."""
     recs = [ds.record(i) for i in indices]
     T = min(seq_len, max(r[0].shape[0] for r in recs))
-    B, d = len(recs), ds.features.shape[1]
+    B, d = len(recs), ds.identity["hidden_size"]
     ids = torch.zeros(B, T, dtype=torch.long)
-    feats = torch.zeros(B, T, d)
+    feats = torch.zeros(B, T, ds.features.shape[1])  # wider than d where the data holds mid-layer streams
     mask = torch.zeros(B, T, dtype=torch.bool)
     noises = torch.zeros(B, T, d)
     for b, (i, m, f) in enumerate(recs):
@@ -75,7 +75,7 @@ class DraftLoss(torch.nn.Module):
 
 
 # settings added after a run format was first written, with the behaviour runs had before them
-_LEGACY_SETTINGS = {"unroll": 1, "step_decay": 0.8, "jakiro_loss": "full", "init_from": None}
+_LEGACY_SETTINGS = {"unroll": 1, "step_decay": 0.8, "jakiro_loss": "full", "init_from": None, "aux_layers": ""}
 _MOE_SETTINGS = ("num_experts", "experts_per_token", "candidate_mode", "parallel_decoding", "jakiro_loss")
 
 
@@ -105,11 +105,14 @@ def upcycle(model, dense) -> None:
     with torch.no_grad():
         for name in ("gate_up", "down"):
             state[name] = state[name].expand(c.num_experts, *state[name].shape[1:]).clone()
-        own = model.state_dict()
-        for name in ("router.weight", "con_router.weight"):
-            if name in own:
-                state[name] = own[name]
-    model.load_state_dict(state)
+    model.load_state_dict(_keeping_own(state, model))
+
+
+def _keeping_own(state: dict, model) -> dict:
+    """``state`` with ``model``'s own values for what it lacks (fresh routers; a mid-layer map
+    that starts at zero, i.e. as the draft without mid-layer inputs)."""
+    own = model.state_dict()
+    return {**{k: v for k, v in own.items() if k not in state}, **state}
 
 
 def heldout_split(parts: int | list[int], eval_records: int) -> tuple[list[int], list[int]]:
@@ -192,10 +195,12 @@ class Trainer:
         cfg = self.cfg
         overrides = dict(num_experts=cfg.num_experts, experts_per_token=cfg.experts_per_token,
                          candidate_mode=cfg.candidate_mode, parallel_decoding=cfg.parallel_decoding,
-                         draft_vocab_size=cfg.draft_vocab_size)
+                         draft_vocab_size=cfg.draft_vocab_size, aux_layers=list(parse_layers(cfg.aux_layers)))
         if cfg.method == "eagle2":
             overrides.update(num_experts=1, experts_per_token=1, parallel_decoding=False)
         self.draft_config = DraftConfig.for_target(target.config, target.hf_config, cfg.method, **overrides)
+        self.ds.check_draft(self.draft_config)
+        target.check_aux_layers(tuple(self.draft_config.aux_layers))
         with torch.random.fork_rng(devices=[]):  # a seeded init without touching the caller's generator
             torch.manual_seed(cfg.seed)
             self.model = DraftModel(self.draft_config)
@@ -266,16 +271,21 @@ class Trainer:
         a Jakiro draft from an EAGLE-2 one (``upcycle``)."""
         init = load_draft(path, target)  # checks it fits the target (width, vocabulary)
         mine, theirs = self.draft_config.to_json_dict(), init.config.to_json_dict()
+        if init.config.aux_layers and init.config.aux_layers != self.draft_config.aux_layers:
+            raise JakiroError(f"--init-from {path} reads the target's residual streams after layers "
+                              f"{init.config.aux_layers}; this run's --aux-layers is "
+                              f"{self.cfg.aux_layers or 'none'}")
         if self.cfg.method == "jakiro" and init.config.method == "eagle2":
             upcycle(self.model, init)
             return
         # the target's name carries the conversion cache's folder hash, which differs between
-        # machines for the same model: the shape check above is what matters
+        # machines for the same model: the shape check above is what matters; a draft without
+        # mid-layer inputs may gain them (their map starts at zero)
         diff = sorted(k for k in set(mine["jakiro"]) | set(theirs["jakiro"])
-                      if k != "target_name" and mine["jakiro"].get(k) != theirs["jakiro"].get(k))
+                      if k not in ("target_name", "aux_layers") and mine["jakiro"].get(k) != theirs["jakiro"].get(k))
         if diff:
             raise JakiroError(f"--init-from {path} is a different draft (differs in: {', '.join(diff)})")
-        self.model.load_state_dict(init.state_dict())
+        self.model.load_state_dict(_keeping_own(init.state_dict(), self.model))
 
     def _load_checkpoint(self) -> None:
         model = load_draft(self.ckpt_dir)
