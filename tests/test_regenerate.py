@@ -11,6 +11,7 @@ from helpers import make_tiny_target
 from jakiro.data.decontaminate import PromptFilter, evaluation_prompts, normalise_text
 from jakiro.data.questions import mtbench_path, read_questions
 from jakiro.data.regenerate import RegenSettings, Regenerator, read_done, repeated_tail
+from jakiro.errors import JakiroError
 from jakiro.models.target import TargetModel
 
 
@@ -215,12 +216,46 @@ def test_features_taken_in_the_regeneration_pass_equal_a_separate_pass(tmp_path)
     d = FeatureDataset(str(tmp_path / "later"))
     assert torch.equal(d.features, a.features[a.offsets[2]:])
 
+def test_mid_layer_streams_come_out_of_the_regeneration_pass(tmp_path):
+    """With --aux-layers the regeneration keeps the residual streams with the features: equal to
+    a separate pass over the file; a dataset without them (or with other ones) built from the
+    same file computes its own."""
+    import shutil
+
+    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS[:3]))
+    out = tmp_path / "data"
+    state = build_dataset(str(out), DataConfig(None, source=str(src), max_len=96, regenerate="greedy",
+                                               regen_max_tokens=12, regen_batch=3, aux_layers="3,15"),
+                          progress=False)
+    assert state["features_from_regeneration"] == 3 and state["identity"]["aux_layers"] == [3, 15]
+    a = FeatureDataset(str(out))
+    assert a.aux_layers == (3, 15) and a.features.shape[1] == 3 * 576
+    shutil.copy(out / "regenerated.jsonl", tmp_path / "copy.jsonl")  # no stored features beside it
+    separate = build_dataset(str(tmp_path / "separate"), DataConfig(None, source=str(tmp_path / "copy.jsonl"),
+                                                                    max_len=96, aux_layers="3,15"), progress=False)
+    assert "features_from_regeneration" not in separate
+    b = FeatureDataset(str(tmp_path / "separate"))
+    assert torch.equal(a.ids, b.ids)
+    torch.testing.assert_close(a.features.float(), b.features.float(), atol=2e-3, rtol=2e-3)
+    plain = build_dataset(str(tmp_path / "plain"), DataConfig(None, source=str(out / "regenerated.jsonl"),
+                                                              max_len=96), progress=False)
+    assert "features_from_regeneration" not in plain  # the stored features are wider: not these
+    c = FeatureDataset(str(tmp_path / "plain"))
+    assert c.aux_layers == () and c.features.shape[1] == 576
+    torch.testing.assert_close(c.features.float(), a.features[:, :576].float(), atol=2e-3, rtol=2e-3)
+    with pytest.raises(JakiroError, match="increasing layer counts in 1..29"):
+        build_dataset(str(tmp_path / "deep"), DataConfig(None, source=str(src), max_len=96, aux_layers="3,30"),
+                      progress=False)
+    assert not (tmp_path / "deep").exists()
+
+
 def test_full_disk_while_writing_a_shard_is_a_clear_error(tmp_path, monkeypatch):
     import os
 
     import safetensors.torch
 
-    from jakiro.errors import JakiroError
     from jakiro.train.dataset import _write_shard
     record = ([1, 2, 3], [0, 1, 1], torch.zeros(3, 4))
     _write_shard(str(tmp_path), 0, [record])

@@ -145,18 +145,21 @@ def tile_layout(blocks: torch.Tensor) -> torch.Tensor:
     return torch.ops.jakiro_smallgemm.amx_pack(blocks)
 
 
-def decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask, num_heads, num_kv_heads, eps, scale):
+def decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask, num_heads, num_kv_heads, eps, scale,
+                   keep_after=()):
     """The whole decoder stack for a few new tokens in one call (``csrc/decoder.cpp``); see
-    ``TargetModel.forward``."""
+    ``TargetModel.forward``. ``keep_after``: also return the residual stream after these many
+    layers ([n, 1 + A, d], the last stream first)."""
     return torch.ops.jakiro_smallgemm.decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask,
-                                                     num_heads, num_kv_heads, eps, scale)
+                                                     num_heads, num_kv_heads, eps, scale, list(keep_after))
 
 
-def decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin, num_heads, num_kv_heads, eps, scale):
+def decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin, num_heads, num_kv_heads, eps, scale,
+                         keep_after=()):
     """One new token for each of a batch of independent sequences through the whole decoder stack
-    (``csrc/decoder.cpp``); see ``TargetModel.decode_batch``."""
+    (``csrc/decoder.cpp``); see ``TargetModel.decode_batch`` and ``decoder_layers``."""
     return torch.ops.jakiro_smallgemm.decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin,
-                                                           num_heads, num_kv_heads, eps, scale)
+                                                           num_heads, num_kv_heads, eps, scale, list(keep_after))
 
 
 def draft_attend(features, tokens, embed, fc, fc_bias, norm, qkv, o, kv, past, cos_table, sin_table, positions,

@@ -296,22 +296,17 @@ class TargetModel:
         if self._fused is not None and (n <= SMALL_ROWS or (
                 chunked and self._chunk_prompts and tree_mask is None and n <= CHUNKED_PREFILL_MAX)):
             cache.check_room(n)
-            weights, sizes = self._fused
             pieces = []  # a longer causal run (a prompt) in pieces of SMALL_ROWS, each after those before it
             for s in range(0, n, SMALL_ROWS):
                 pos = position_ids[s:s + SMALL_ROWS]
-
-                def run(h, a, b):  # layers a..b-1 in one call
-                    return smallgemm.decoder_layers(h, weights[9 * a:9 * b], sizes[4 * a:4 * b], cache.data[a:b],
-                                                    past + s, self.cos[pos], self.sin[pos], tree_mask,
-                                                    cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale)
-                pieces.append(self._stack(run, x[s:s + SMALL_ROWS], aux_layers))
+                pieces.append(smallgemm.decoder_layers(x[s:s + SMALL_ROWS], *self._fused, cache.data, past + s,
+                                                       self.cos[pos], self.sin[pos], tree_mask, cfg.num_heads,
+                                                       cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, aux_layers))
             x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         else:
             x = self._layers(x, cache, position_ids, tree_mask, aux_layers)
-        features = self._features(x)
-        rows = features[:, :cfg.hidden_size] if logits_rows is None else features[logits_rows, :cfg.hidden_size]
-        return self.lm_head(rows), features
+        final, features = self._features(x)
+        return self.lm_head(final if logits_rows is None else final[logits_rows]), features
 
     def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
         layers = self.config.num_layers
@@ -320,8 +315,9 @@ class TargetModel:
                               f"(this target has {layers} decoder layers), got {list(aux_layers)}")
 
     def _stack(self, run, x: torch.Tensor, aux_layers: tuple[int, ...]) -> torch.Tensor:
-        """``run(x, a, b)`` over the decoder layers, cut after each of ``aux_layers``: the last
-        residual stream, then (with ``aux_layers``) the streams at the cuts, [n, (1 + A), d]."""
+        """``run(x, a, b)`` (layers a..b-1 in torch) over the decoder layers, cut after each of
+        ``aux_layers``: the last residual stream, then (with ``aux_layers``) the streams at the
+        cuts, [n, 1 + A, d], as the fused stack returns them (``keep_after``)."""
         if not aux_layers:
             return run(x, 0, self.config.num_layers)
         streams, start = [], 0
@@ -331,13 +327,15 @@ class TargetModel:
             start = end
         return torch.stack([streams[-1], *streams[:-1]], 1)
 
-    def _features(self, x: torch.Tensor) -> torch.Tensor:
-        """The final norm of the last stream; mid-layer streams ([n, 1 + A, d]) follow it as they are."""
+    def _features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the final norm of the last stream [n, d], the features: it, then the mid-layer
+        streams of ``x`` [n, 1 + A, d] as they are)."""
         cfg = self.config
         if x.dim() == 2:
-            return F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
+            final = F.rms_norm(x, (x.shape[-1],), self.norm, cfg.rms_norm_eps)
+            return final, final
         final = F.rms_norm(x[:, 0], (x.shape[-1],), self.norm, cfg.rms_norm_eps)
-        return torch.cat((final, x[:, 1:].flatten(1)), 1)
+        return final, torch.cat((final, x[:, 1:].flatten(1)), 1)
 
     def _layers(self, x: torch.Tensor, cache: KVCache, position_ids: torch.Tensor,
                 tree_mask: torch.Tensor | None, aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
@@ -379,12 +377,9 @@ class TargetModel:
         x = self.embed[input_ids]  # [B, d]
         if self._fused is not None:
             cache.check_room()
-            weights, sizes = self._fused
-
-            def run(h, a, b):  # layers a..b-1 in one call
-                return smallgemm.decoder_layers_batch(h, weights[9 * a:9 * b], sizes[4 * a:4 * b], cache.data[a:b],
-                                                      positions, self.cos[positions], self.sin[positions],
-                                                      cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, self.scale)
+            x = smallgemm.decoder_layers_batch(x, *self._fused, cache.data, positions, self.cos[positions],
+                                               self.sin[positions], cfg.num_heads, cfg.num_kv_heads,
+                                               cfg.rms_norm_eps, self.scale, aux_layers)
         else:
             cos = self.cos[positions].unsqueeze(1)  # [B, 1, D]
             sin = self.sin[positions].unsqueeze(1)
@@ -400,8 +395,9 @@ class TargetModel:
                                                        attn_mask=mask, scale=self.scale)
                     h = self._attention_output_and_mlp(layer, h, o.reshape(B, H * D))
                 return h
-        features = self._features(self._stack(run, x, aux_layers))
-        return self.lm_head(features[:, :cfg.hidden_size]), features
+            x = self._stack(run, x, aux_layers)
+        final, features = self._features(x)
+        return self.lm_head(final), features
 
     def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                 attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:

@@ -495,10 +495,18 @@ std::vector<AttentionWeights> layer_weights(const std::vector<c10::optional<at::
 }
 
 // x [n, d] through every layer; row r attends what vis[r] names in cache(l, r)
+// The layers over x [n, d]; with ``keep_after`` (increasing layer counts), [n, 1 + A, d]: the last
+// residual stream, then the stream after each of those layers.
 at::Tensor run_layers(at::Tensor x, const std::vector<c10::optional<at::Tensor>>& weights, Shape S,
                       const std::vector<AttentionWeights>& attn, const std::vector<LayerCache>& caches, int64_t past,
-                      const at::Tensor& cos, const at::Tensor& sin, const std::vector<Visible>& vis, int64_t keys) {
-  const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv;
+                      const at::Tensor& cos, const at::Tensor& sin, const std::vector<Visible>& vis, int64_t keys,
+                      at::IntArrayRef keep_after) {
+  const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv, A = static_cast<int64_t>(keep_after.size());
+  for (int64_t j = 0; j < A; ++j)
+    TORCH_CHECK(keep_after[j] >= 1 && keep_after[j] < static_cast<int64_t>(attn.size()) &&
+                    (j == 0 || keep_after[j] > keep_after[j - 1]),
+                "decoder_layers: keep_after must be increasing layer counts below the number of layers");
+  at::Tensor streams = A ? at::empty({n, 1 + A, d}, x.options()) : at::Tensor();
   auto opts = x.options();
   auto h = at::empty({n, d}, opts), ob = at::empty({n, H * S.D}, opts), qkv = at::empty({n, S.qkv()}, opts);
   auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * S.inter}, opts), act = at::empty({n, S.inter}, opts);
@@ -510,14 +518,18 @@ at::Tensor run_layers(at::Tensor x, const std::vector<c10::optional<at::Tensor>>
     const auto* w = &weights[l * SLOTS];
     attention_block(xp, S, attn[l], caches[l], past, cos.data_ptr<float>(), sin.data_ptr<float>(), vis, scratch);
     mlp_block(xp, S, w[1]->data_ptr<float>(), *w[5], *w[6], scratch.y, gu.data_ptr<float>(), act.data_ptr<float>());
+    for (int64_t j = 0; j < A; ++j)
+      if (keep_after[j] == static_cast<int64_t>(l) + 1) streams.select(1, 1 + j).copy_(x);
   }
-  return x;
+  if (!A) return x;
+  streams.select(1, 0).copy_(x);
+  return streams;
 }
 
 at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
                           at::IntArrayRef out_features, const at::Tensor& kv, int64_t past, const at::Tensor& cos,
                           const at::Tensor& sin, const c10::optional<at::Tensor>& tree_mask, int64_t H, int64_t Hkv,
-                          double eps, double scale) {
+                          double eps, double scale, at::IntArrayRef keep_after) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers: x must be [n, d] float32");
   auto x = x_in.contiguous().clone();
   const int64_t n = x.size(0), d = x.size(1), layers = static_cast<int64_t>(weights.size()) / SLOTS;
@@ -528,7 +540,8 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optiona
   const auto attn = layer_weights(weights, out_features, S);
   std::vector<LayerCache> caches;
   for (int64_t l = 0; l < layers; ++l) caches.push_back(layer_cache(kv, l));
-  return run_layers(x, weights, S, attn, caches, past, cos, sin, visibility(tree_mask, n, past, false), past + n);
+  return run_layers(x, weights, S, attn, caches, past, cos, sin, visibility(tree_mask, n, past, false), past + n,
+                    keep_after);
 }
 
 // One new token for each of B independent sequences (batched decoding): x [B, d]; sequence r's
@@ -538,7 +551,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optiona
 at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
                                 at::IntArrayRef out_features, const at::Tensor& kv, const at::Tensor& lengths,
                                 const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv, double eps,
-                                double scale) {
+                                double scale, at::IntArrayRef keep_after) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers_batch: x must be [B, d] float32");
   auto x = x_in.contiguous().clone();
   const int64_t n = x.size(0), d = x.size(1), layers = static_cast<int64_t>(weights.size()) / SLOTS;
@@ -568,7 +581,7 @@ at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::o
     c.at = at_pos;
     caches.push_back(c);
   }
-  return run_layers(x, weights, S, attn, caches, 0, cos, sin, vis, keys);
+  return run_layers(x, weights, S, attn, caches, 0, cos, sin, vis, keys, keep_after);
 }
 
 // A draft's fusion layer and attention block (EAGLE's fc over [embedding, feature], then a
@@ -825,10 +838,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
 
 TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("decoder_layers(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, int past, Tensor cos, "
-        "Tensor sin, Tensor? tree_mask, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
+        "Tensor sin, Tensor? tree_mask, int num_heads, int num_kv_heads, float eps, float scale, "
+        "int[] keep_after=[]) -> Tensor",
         decoder_layers);
   m.def("decoder_layers_batch(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, Tensor lengths, "
-        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale) -> Tensor",
+        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, int[] keep_after=[]) "
+        "-> Tensor",
         decoder_layers_batch);
   m.def("draft_attend(Tensor features, Tensor tokens, Tensor embed, Tensor fc, Tensor? fc_bias, Tensor norm, "
         "Tensor qkv, Tensor o, Tensor kv, int past, Tensor cos_table, Tensor sin_table, Tensor positions, "
