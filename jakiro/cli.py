@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("drafts", nargs="+", metavar="DRAFT", help="draft folders")
     e.add_argument("--prompts", type=int, default=8, help="held-out first user turns decoded for tau (0 = none)")
     e.add_argument("--tokens", type=int, default=48, help="new tokens per decoded prompt")
+    e.add_argument("--all-records", action="store_true", help="measure on every record of the folders (ones "
+                                                              "built for evaluation only) instead of their held-out "
+                                                              "last records")
 
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
     _add_target_args(b)
@@ -356,7 +359,8 @@ def _bench_drafts(items: list[str]) -> dict[str, str]:
 
 def cmd_eval_draft(args) -> int:
     from .train.evaluate import evaluate_drafts
-    for row in evaluate_drafts(args.data, args.drafts, args.target, args.cache_dir, args.prompts, args.tokens):
+    for row in evaluate_drafts(args.data, args.drafts, args.target, args.cache_dir, args.prompts, args.tokens,
+                               all_records=args.all_records):
         print(json.dumps(row), flush=True)
     return 0
 

@@ -546,6 +546,9 @@ def test_eval_draft_reproduces_the_trainers_heldout_metrics_and_tau(tmp_path, ti
     captured = capsys.readouterr()
     printed = json.loads(captured.out.strip().splitlines()[-1])
     assert printed["draft"] == cfg.out and "tau_fixed_default_tree" not in printed
+    assert printed["heldout_records"] == 1  # the last 5 % of 12 records, at least one
+    assert main(["eval-draft", "--target", target, "--data", data, "--prompts", "0", "--all-records", cfg.out]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["heldout_records"] == 12
     with pytest.raises(JakiroError, match="draft folder not found"):
         evaluate_drafts(data, [str(tmp_path / "nowhere")], target)
 

@@ -9,10 +9,11 @@ from .trainer import heldout_batches, heldout_split, heldout_tau
 
 def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cache_dir: str | None = None,
                     prompts: int = 8, tokens: int = 48, eval_records: int = 32, steps: int = 4,
-                    seq_len: int = 512) -> list[dict]:
+                    seq_len: int = 512, all_records: bool = False) -> list[dict]:
     """Per draft: held-out top-1 per draft step (and Jakiro's contrastive branch and expert
     agreement) and greedy τ with the default tree, fixed, on the first user turns of ``prompts``
-    held-out records, ``tokens`` new tokens each."""
+    held-out records, ``tokens`` new tokens each. ``all_records``: every record counts as held
+    out (folders built for evaluation only)."""
     from ..api import load_tokenizer
     from ..decoding.engine import Engine
     from ..decoding.proposers import DraftProposer, TreeBudget
@@ -32,7 +33,7 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     model = TargetModel.from_folder(path)
     ds.check_target(model)
     tokenizer = load_tokenizer(path)
-    _, eval_idx = heldout_split(ds.parts, eval_records)
+    eval_idx = list(range(len(ds))) if all_records else heldout_split(ds.parts, eval_records)[1]
     out = []
     for folder in drafts:
         draft = load_draft(folder, model)
