@@ -127,6 +127,8 @@ class Regenerator:
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.stats = RegenStats()
         self.tokenize, self.collect = tokenize, collect
+        # mid-layer streams are asked of the target only where features are collected
+        self.aux_layers = settings.aux_layers if collect is not None else ()
         self.slot_features: torch.Tensor | None = None  # [batch, max_len + 1, d] float16
 
     def run(self, jobs: Iterator[tuple[int, list[dict]]], write: Callable[[dict], None],
@@ -137,7 +139,7 @@ class Regenerator:
         B = s.batch
         cache = self.target.new_batch_cache(B, s.max_len + 1)
         if self.collect is not None:
-            width = (1 + len(s.aux_layers)) * self.target.config.hidden_size
+            width = (1 + len(self.aux_layers)) * self.target.config.hidden_size
             self.slot_features = torch.zeros(B, s.max_len + 1, width, dtype=torch.float16)
         slots: list[_Conversation | None] = [None] * B
         tokens = torch.zeros(B, dtype=torch.long)
@@ -146,9 +148,7 @@ class Regenerator:
             self._refill(b, slots, cache, tokens, jobs, write)
         rows = torch.arange(B)
         while any(slots):
-            # [B, vocab], [B, width]; the mid-layer streams only where features are collected
-            logits, features = self.target.decode_batch(
-                tokens, cache, aux_layers=s.aux_layers if self.slot_features is not None else ())
+            logits, features = self.target.decode_batch(tokens, cache, self.aux_layers)  # [B, vocab], [B, width]
             if self.slot_features is not None:
                 self.slot_features[rows, cache.lengths] = half_features(features)
             cache.advance()
@@ -230,7 +230,7 @@ class Regenerator:
         slot = cache.slot(b)
         slot.length = keep
         logits, features = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None), chunked=True,
-                                       aux_layers=self.s.aux_layers if self.slot_features is not None else ())
+                                       aux_layers=self.aux_layers)
         if self.slot_features is not None:
             self.slot_features[b, keep:len(ids)] = half_features(features)
         cache.set_length(b, len(ids))
@@ -278,7 +278,7 @@ class Regenerator:
             slot = cache.slot(b)
             slot.length = common
             _, rest = self.target(torch.tensor(ids[common:]), slot, logits_rows=slice(0, 0),
-                                  aux_layers=self.s.aux_layers)
+                                  aux_layers=self.aux_layers)
             features = torch.cat((features, half_features(rest)))
             self.stats.feature_tokens_computed += len(ids) - common
         self.stats.feature_tokens_reused += common

@@ -175,13 +175,13 @@ def _prepared(target, proposer: DraftProposer, context: int, calls: int, rows: i
     for ``calls`` proposals; returns the context and a function that commits ``rows`` more
     positions for the draft to catch up on."""
     gen = torch.Generator().manual_seed(0)
-    vocab, d = target.config.vocab_size, proposer.draft.feature_width
+    vocab, width = target.config.vocab_size, proposer.draft.feature_width
     ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
     proposer.start(context + (calls + 1) * rows + proposer.budget.depth + 8, prompt_vocab=False)
-    proposer.observe(torch.randn(context, d, generator=gen), torch.tensor(ids[1:] + [ids[0]]))
+    proposer.observe(torch.randn(context, width, generator=gen), torch.tensor(ids[1:] + [ids[0]]))
     proposer.propose(ids, depth=1)
     def commit():
-        proposer.observe(torch.randn(rows, d, generator=gen), torch.randint(0, vocab, (rows,), generator=gen))
+        proposer.observe(torch.randn(rows, width, generator=gen), torch.randint(0, vocab, (rows,), generator=gen))
     return ids, commit
 
 

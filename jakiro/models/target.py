@@ -309,6 +309,8 @@ class TargetModel:
         return self.lm_head(final if logits_rows is None else final[logits_rows]), features
 
     def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
+        if not aux_layers:  # every forward checks: the usual case returns at once
+            return
         layers = self.config.num_layers
         if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < a < layers for a in aux_layers):
             raise JakiroError(f"mid-layer features must come after increasing layer counts in 1..{layers - 1} "

@@ -296,6 +296,7 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
     t0 = time.time()
     feature_tokens = 0
     counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
+    width = (1 + len(aux_layers)) * target.config.hidden_size  # values per token: features, then streams
     while state["records"] + len(pending) < cfg.max_records:
         item = next(records, None)
         if item is None:
@@ -308,7 +309,6 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         if tok is None:
             continue
         ids, mask = tok
-        width = (1 + len(aux_layers)) * target.config.hidden_size
         feats = generated.get(item[0], ids, width) if generated is not None else None
         if feats is None:
             with torch.inference_mode():
