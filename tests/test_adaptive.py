@@ -194,9 +194,11 @@ def test_adaptive_greedy_equals_plain(tiny, costs, method, overrides):
         assert m.plain_steps == 0  # drafting always pays
     elif costs is DEAR:
         # plain steps but for a few probes (one drafted token verified), each once the plain
-        # steps before it cost 1 / PROBE_SHARE times as much as it
+        # steps before it cost 1 / PROBE_SHARE times as much as it: its draft level and the
+        # extra token in the step's forward
         probes = m.target_forwards - m.plain_steps
-        assert 1 <= probes <= PROBE_SHARE * m.plain_steps * costs.target(1) / costs.draft(1) and m.depth_tried[1:] == []
+        probe_cost = costs.draft(1) + costs.target(2) - costs.target(1)
+        assert 1 <= probes <= PROBE_SHARE * m.plain_steps * costs.target(1) / probe_cost and m.depth_tried[1:] == []
         assert 0 < proposer.probe_ms <= PROBE_SHARE * proposer.plain_ms
     else:
         assert 0 < m.plain_steps < m.target_forwards  # both kinds of cycle in one request

@@ -148,7 +148,7 @@ class DraftModel(nn.Module):
                               f"{features.shape[-1]}")
         streams = features[..., d:].unflatten(-1, (len(self.config.aux_layers), d))
         streams = F.rms_norm(streams, (d,), eps=self.config.rms_norm_eps).flatten(-2)
-        return features[..., :d], self.aux_proj(streams)
+        return features[..., :d], self._linear("aux_proj", streams, (self.aux_proj.weight,))
 
     def input_features(self, features: torch.Tensor) -> torch.Tensor:
         """What the first draft step reads at committed positions: the final feature plus the
