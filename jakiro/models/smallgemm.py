@@ -20,10 +20,11 @@ import torch
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCE = os.path.join(CSRC, "smallgemm.cpp")
 # the fused decoder stack (``decoder_layers``) and the AMX kernel for GGUF blocks
-MORE_SOURCES = (os.path.join(CSRC, "decoder.cpp"), os.path.join(CSRC, "amx.cpp"))
+MORE_SOURCES = tuple(os.path.join(CSRC, f) for f in ("decoder.cpp", "amx.cpp", "int8.cpp"))
 HEADERS = (os.path.join(CSRC, "kernels.h"),)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _state: dict = {}
+Q8_0_BLOCK_BYTES = 40  # a Q8_0 block as the kernels take it: d and m (0) as float32, 32 q bytes
 
 
 def _build_dir() -> str:
@@ -106,10 +107,13 @@ def tiles_disabled():
 
 
 def status() -> str:
-    """'on', 'on, AMX tiles for GGUF blocks', or 'off (why)': reported by ``jakiro bench-cost``."""
+    """'on', 'on, AMX tiles for GGUF blocks', 'on, int8 draft kernel' or 'off (why)': reported by
+    ``jakiro bench-cost``."""
     if not available():
         return f"off ({_state.get('reason', 'unavailable')})"
-    return "on, AMX tiles for GGUF blocks" if tiles_enabled() else "on"
+    if tiles_enabled():
+        return "on, AMX tiles for GGUF blocks"
+    return "on, int8 draft kernel (AVX-512 VNNI)" if int8_enabled() else "on"
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -137,10 +141,37 @@ def tiles_enabled() -> bool:
     return _state["amx"]
 
 
-def tile_layout(blocks: torch.Tensor) -> torch.Tensor:
-    """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel runs here
-    (and out is a multiple of 16); else unchanged."""
-    if blocks.shape[0] % 16 or not tiles_enabled():
+def int8_enabled() -> bool:
+    """Whether a draft's Q8_0 blocks go through the int8 kernel (``csrc/int8.cpp``): on CPUs with
+    AVX-512 VNNI and without AMX tiles (Zen 4 and later, Ice Lake and later), unless
+    ``JAKIRO_INT8=0``."""
+    if "int8" not in _state:
+        _state["int8"] = (os.environ.get("JAKIRO_INT8", "1") not in ("", "0") and available()
+                          and not tiles_enabled() and bool(torch.ops.jakiro_smallgemm.int8_usable()))
+    return _state["int8"]
+
+
+@contextlib.contextmanager
+def int8_disabled():
+    """Layers built inside stream a draft's Q8_0 blocks with the float32 kernel, not the int8 one
+    (for side-by-side measurements)."""
+    int8_enabled()
+    saved = _state["int8"]
+    _state["int8"] = False
+    try:
+        yield
+    finally:
+        _state["int8"] = saved
+
+
+def tile_layout(blocks: torch.Tensor, input_bytes: int = 3) -> torch.Tensor:
+    """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel runs here,
+    or, for a draft's Q8_0 blocks taken with one byte per input (``input_bytes`` 1), where the
+    int8 kernel does (out a multiple of 16 either way); else unchanged."""
+    if blocks.shape[0] % 16:
+        return blocks
+    int8 = input_bytes == 1 and blocks.shape[2] == Q8_0_BLOCK_BYTES and int8_enabled()
+    if not (tiles_enabled() or int8):
         return blocks
     return torch.ops.jakiro_smallgemm.amx_pack(blocks)
 

@@ -62,7 +62,7 @@ constexpr int MAX_ROWS = 16;  // rows per pass (3 x 16 byte rows fill three tile
 // weights' three-byte inputs (above), 64 bytes each
 constexpr int64_t piece_bytes(int P) { return P == 2 ? 2 * QB : QB; }
 
-constexpr int64_t amx_bytes(bool q4) { return q4 ? 2 * G * 4 + G * QB / 2 : G * 4 + G * QB; }
+constexpr int64_t amx_bytes(bool q4) { return jakiro::amx_pack_bytes(q4); }
 
 #if defined(JAKIRO_AMX)
 

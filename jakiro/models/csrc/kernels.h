@@ -17,6 +17,9 @@ typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t))));
 // (Q4_1: 16 bytes of nibbles; Q8_0: 32 bytes, m = 0)
 constexpr int64_t QB = 32;
 constexpr int64_t gguf_block_bytes(bool q4) { return 8 + (q4 ? QB / 2 : QB); }
+// bytes per 16 output columns and block in the AMX kernel's layout (``amx_pack``): the 16
+// scales d (Q4_1: and offsets m) as float32, then the q bytes
+constexpr int64_t amx_pack_bytes(bool q4) { return q4 ? 2 * 16 * 4 + 16 * QB / 2 : 16 * 4 + 16 * QB; }
 
 inline vf load(const float* p) {
   vf v;
@@ -56,5 +59,11 @@ at::Tensor amx_pack(const at::Tensor& blocks);
 bool amx_weight(const at::Tensor& w);
 void amx_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
                      int64_t input_bytes);
+
+// The int8 kernel for drafts (int8.cpp): whether this build has it (AVX-512 VNNI), and
+// y [M, N] = x [M, K] @ W^T for Q8_0 blocks in the AMX kernel's layout, x taken as one byte per
+// input (as the AMX kernel's ``input_bytes`` 1) on CPUs without tiles.
+bool int8_usable();
+void int8_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y);
 
 }  // namespace jakiro

@@ -448,7 +448,11 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
     linear_rows(x, M, K, w.data_ptr<float>(), N, bias, y);
     return;
   }
-  if (amx_weight(w))
+  if (amx_weight(w) && !amx_usable()) {  // tile layout without tiles: a draft's Q8_0 blocks, int8 inputs
+    TORCH_CHECK(input_bytes == 1, "without AMX tiles, blocks in the tile layout take inputs as 1 byte (drafts)");
+    int8_linear_rows(x, M, K, w, N, y);
+  }
+  else if (amx_weight(w))
     amx_linear_rows(x, M, K, w, N, y, input_bytes);
   else if (w.size(2) == block_bytes<true>())
     qlinear_rows<true>(x, M, K, w.data_ptr<uint8_t>(), N, y);
@@ -462,7 +466,9 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
 bool valid_linear(const at::Tensor& w, int64_t N, int64_t K) {
   if (!w.is_contiguous() || w.dim() != 3) return false;
   if (w.scalar_type() == at::kFloat) return w.size(2) == VL && w.size(1) == K && N <= w.size(0) * VL && N > (w.size(0) - 1) * VL;
-  if (amx_weight(w)) return w.size(0) * 16 == N && w.size(1) * QB == K && amx_usable();
+  if (amx_weight(w))
+    return w.size(0) * 16 == N && w.size(1) * QB == K &&
+           (amx_usable() || (int8_usable() && w.size(2) == amx_pack_bytes(false)));
   return w.scalar_type() == at::kByte && w.size(0) == N && w.size(1) * QB == K &&
          (w.size(2) == block_bytes<true>() || w.size(2) == block_bytes<false>());
 }
@@ -485,6 +491,7 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, int64_t N,
 }
 
 bool amx_usable() { return jakiro::amx_usable(); }
+bool int8_usable() { return jakiro::int8_usable(); }
 
 }  // namespace
 
@@ -493,5 +500,6 @@ TORCH_LIBRARY(jakiro_smallgemm, m) {
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", linear);
   m.def("quantized_linear(Tensor x, Tensor blocks, int n, int input_bytes=3) -> Tensor", quantized_linear);
   m.def("amx_usable() -> bool", amx_usable);
+  m.def("int8_usable() -> bool", int8_usable);
   m.def("amx_pack(Tensor blocks) -> Tensor", jakiro::amx_pack);
 }
