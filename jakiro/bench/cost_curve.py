@@ -180,6 +180,10 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
     costs = forward_costs(jk.target, context, repeats)
     drafts = {m: draft_costs(jk, m, context, repeats) for m in ("eagle2", "jakiro")
               if target_path is None and shipped_draft(m)}
+    if smallgemm.int8_enabled():  # the same draft steps with the float32 kernel, side by side
+        with smallgemm.int8_disabled():
+            for m, d in drafts.items():
+                d["step_ms_float32_kernel"] = draft_costs(jk, m, context, repeats)["step_ms"]
     for d in drafts.values():
         d["step_x_t1"] = round(d["step_ms"] / costs[1], 3)
         d["step_after_target_x_t1"] = round(d["step_after_target_ms"] / costs[1], 3)
