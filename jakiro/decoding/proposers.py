@@ -202,7 +202,9 @@ class DraftProposer(Proposer):
         return self.draft.head(self.head_vocab, extra=self.prompt_tokens(context))
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        self._pending.append((self.draft.input_features(features), next_tokens))
+        # kept as the target gave them: the mid-layer map (``input_features``) runs once over all
+        # pending rows when the draft next catches up, not on each plain step before that
+        self._pending.append((features, next_tokens))
 
     @property
     def pending_rows(self) -> int:
@@ -261,7 +263,7 @@ class DraftProposer(Proposer):
         """One draft forward over the (feature, next token) pairs committed since the last cycle,
         kept in the draft's cache; returns the residual stream at the newest pair [1, 1, d] (the
         caller runs the heads on that row only)."""
-        feats = torch.cat([f for f, _ in self._pending])
+        feats = self.draft.input_features(torch.cat([f for f, _ in self._pending]))
         toks = torch.cat([t for _, t in self._pending])
         self._pending = []
         m = feats.shape[0]
