@@ -87,3 +87,29 @@ def test_smollm2_speculative_greedy_equals_plain(smol):
     for engine in engines:
         for prompt, ref in zip(ids, reference):
             assert engine.generate(prompt, N_TOKENS).token_ids == ref, engine.method
+
+
+def test_draft_reads_only_the_prompts_last_window(tiny, monkeypatch):
+    """A prompt longer than ``PROMPT_WINDOW`` is read from its last positions only: the draft
+    proposes exactly what it proposes when given just those positions (positions count from its
+    cache, so the rows read keep their relative positions), its cost estimate counts only them,
+    and greedy decoding still equals plain decoding."""
+    from jakiro.decoding import proposers
+    root, target, tok, prompts, reference = tiny
+    monkeypatch.setattr(proposers, "PROMPT_WINDOW", 6)
+    draft = random_draft(root, target, "eagle2", {}, "window-draft")
+    gen = torch.Generator().manual_seed(3)
+    feats = torch.randn(20, draft.feature_width, generator=gen)
+    toks = torch.randint(0, target.config.vocab_size, (20,), generator=gen)
+    context = toks.tolist()
+    windowed, alone = DraftProposer(draft, TreeBudget(3, 2, 6)), DraftProposer(draft, TreeBudget(3, 2, 6))
+    windowed.start(64, prompt_vocab=False)
+    alone.start(64, prompt_vocab=False)
+    windowed.observe(feats, toks)
+    alone.observe(feats[-6:], toks[-6:])
+    assert windowed.pending_rows == 6
+    a, b = windowed.propose(context), alone.propose(context)
+    assert windowed.cache.length == 6
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and torch.equal(a.scores, b.scores)
+    # the tiny target's tokens are characters: every Spec-Bench prompt is far longer than 6
+    assert_same(Engine(target, tok, DraftProposer(draft, TreeBudget(4, 2, 8))), prompts[:5], reference[:5])
