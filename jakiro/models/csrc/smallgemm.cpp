@@ -252,8 +252,9 @@ void qblock(const float* x, int64_t K, const uint8_t* w, int64_t wstride, float*
     } else {
       // multiply-add-bound: the NN blocks dequantized first, then each x piece read once from L1
       // for all NN outputs (reading it per output kept the load port as busy as the FMA units:
-      // eight rows of all the default target's matrices took 21.5 ms on a Zen 4 EPYC, 2
-      // threads, against 15.4 ms in this order; one or two rows were slower in it)
+      // eight rows of the default target's matrices took 19.4 ms on a Zen 4 EPYC, 2 threads,
+      // and 16.7-18.8 ms in this order, docs/experiments/kernel_rows.py; one or two rows were
+      // slower in it)
       vf lo[NN], hi[NN];
       for (int64_t j = 0; j < NN; ++j) dequant<Q4>(w + j * wstride + b * BB, lo[j], hi[j]);
       for (int64_t r = 0; r < RR; ++r) {
