@@ -91,6 +91,19 @@ def test_tile_kernel_keeps_float32_accuracy_on_hard_inputs(kind):
     assert bool(smallgemm.quantized_linear(x, tiles, out)[5].isnan().all())
 
 
+def one_byte_case(reference: torch.Tensor, cols: int):
+    """Inputs for one-byte kernels (11 rows, one with a value that dwarfs its block, one with an
+    all-zero block), x @ W^T in float64, and the bound of one-byte rounding (each value within
+    2^-6 of its block's largest) plus float32 arithmetic."""
+    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
+    x[0, 7] = 50.0  # one value dwarfs its block
+    x[1, :32] = 0
+    expected = x.double() @ reference.double().T
+    w = reference.double().abs().T
+    block_max = x.double().abs().reshape(11, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(11, cols)
+    return x, expected, 2.0 ** -6 * (block_max @ w) + 2e-6 * (x.double().abs() @ w)
+
+
 @needs_tiles
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_one_byte_inputs_stay_within_their_rounding_and_keep_rows_independent(kind):
@@ -101,13 +114,7 @@ def test_one_byte_inputs_stay_within_their_rounding_and_keep_rows_independent(ki
     out, cols = 48, 256
     raw, reference = quantized_matrix(kind, out, cols, seed=9)
     tiles = smallgemm.tile_layout(quant.pack_blocks(raw, kind, out, cols))
-    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
-    x[0, 7] = 50.0  # one value dwarfs its block
-    x[1, :32] = 0
-    expected = x.double() @ reference.double().T
-    w = reference.double().abs().T
-    block_max = x.double().abs().reshape(11, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(11, cols)
-    bound = 2.0 ** -6 * (block_max @ w) + 2e-6 * (x.double().abs() @ w)
+    x, expected, bound = one_byte_case(reference, cols)
     got = smallgemm.quantized_linear(x, tiles, out, 1)
     assert bool(((got.double() - expected).abs() <= bound).all())
     exact = smallgemm.quantized_linear(x, tiles, out, 3)
@@ -138,13 +145,7 @@ def test_int8_kernel_for_draft_blocks_stays_within_one_byte_rounding():
     assert not FastLinear(reference, quantized=("q8_0", packed)).tiles
     raw4, reference4 = quantized_matrix("q4_1", out, cols, seed=9)
     assert not FastLinear(reference4, quantized=("q4_1", quant.pack_blocks(raw4, "q4_1", out, cols)), input_bytes=1).tiles
-    x = torch.randn(11, cols, generator=torch.Generator().manual_seed(1))
-    x[0, 7] = 50.0  # one value dwarfs its block
-    x[1, :32] = 0
-    expected = x.double() @ reference.double().T
-    w = reference.double().abs().T
-    block_max = x.double().abs().reshape(11, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(11, cols)
-    bound = 2.0 ** -6 * (block_max @ w) + 2e-6 * (x.double().abs() @ w)
+    x, expected, bound = one_byte_case(reference, cols)
     got = layer(x)
     assert bool(((got.double() - expected).abs() <= bound).all())
     assert not torch.equal(got, smallgemm.quantized_linear(x, packed, out))  # the int8 path ran

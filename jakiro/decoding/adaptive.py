@@ -423,8 +423,8 @@ class AdaptiveProposer(Proposer):
             plain = self.prune(add_chain(chain_tree(context[-1], []), chain)) if chain else chain_tree(context[-1], [])
             if self.idle >= self.wait and self.inner and self._probe_affordable(plain.size):
                 # a probe: draft one level and verify its best token with what the step verifies
-                # anyway (one more tree token costs far less than the draft step, and an accepted
-                # probe is a token gained); ``feedback`` then scores it like any drafted cycle
+                # anyway (an accepted probe is a token gained; its extra tree token is counted in
+                # ``_probe_affordable``); ``feedback`` then scores it like any drafted cycle
                 self.idle, self.wait = 0, min(self.wait * 2, MAX_WAIT)
                 return self._probe(context, plain)
             return plain

@@ -270,10 +270,10 @@ class DraftProposer(Proposer):
         """One draft forward over the (feature, next token) pairs committed since the last cycle,
         kept in the draft's cache; returns the residual stream at the newest pair [1, 1, d] (the
         caller runs the heads on that row only)."""
-        feats, toks = torch.cat([f for f, _ in self._pending]), torch.cat([t for _, t in self._pending])
+        rows = self.pending_rows  # of a prompt, its last PROMPT_WINDOW positions
+        feats = torch.cat([f for f, _ in self._pending])[-rows:]
+        toks = torch.cat([t for _, t in self._pending])[-rows:]
         self._pending = []
-        if self.cache.length == 0:  # the prompt: its last PROMPT_WINDOW positions
-            feats, toks = feats[-PROMPT_WINDOW:], toks[-PROMPT_WINDOW:]
         feats = self.draft.input_features(feats)
         m = feats.shape[0]
         if m > SMALL_ROWS:  # a prompt, or a long run of plain steps: only the newest row attends

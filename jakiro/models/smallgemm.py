@@ -94,16 +94,21 @@ def disabled():
 
 
 @contextlib.contextmanager
-def tiles_disabled():
-    """Layers built inside stream GGUF blocks with the portable kernel, not the AMX one (for
-    side-by-side measurements)."""
-    tiles_enabled()
-    saved = _state["amx"]
-    _state["amx"] = False
+def _switched_off(key: str, enabled):
+    """Inside, ``enabled()`` (which caches its answer in ``_state[key]``) says False."""
+    enabled()
+    saved = _state[key]
+    _state[key] = False
     try:
         yield
     finally:
-        _state["amx"] = saved
+        _state[key] = saved
+
+
+def tiles_disabled():
+    """Layers built inside stream GGUF blocks with the portable kernel, not the AMX one (for
+    side-by-side measurements)."""
+    return _switched_off("amx", tiles_enabled)
 
 
 def status() -> str:
@@ -151,17 +156,10 @@ def int8_enabled() -> bool:
     return _state["int8"]
 
 
-@contextlib.contextmanager
 def int8_disabled():
     """Layers built inside stream a draft's Q8_0 blocks with the float32 kernel, not the int8 one
     (for side-by-side measurements)."""
-    int8_enabled()
-    saved = _state["int8"]
-    _state["int8"] = False
-    try:
-        yield
-    finally:
-        _state["int8"] = saved
+    return _switched_off("int8", int8_enabled)
 
 
 def tile_layout(blocks: torch.Tensor, input_bytes: int = 3) -> torch.Tensor:
