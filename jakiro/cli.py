@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tree-top-k", type=int)
     b.add_argument("--total-tokens", type=int)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--repeats", type=int, default=1,
+                   help="answer each turn this many times per method (interleaved) and keep the fastest: "
+                        "steadier speedups on a shared machine, same tokens")
     b.add_argument("--out", default="bench_out")
 
     u = sub.add_parser("tune", help="pick the fastest tree budget for a draft on this machine")
@@ -376,7 +379,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(args.questions, [m.strip() for m in args.methods.split(",") if m.strip()], drafts,
                       args.temperature, args.max_new_tokens, args.limit_per_category, args.out,
                       args.target, args.cache_dir, args.depth, args.tree_top_k, args.total_tokens, args.seed,
-                      static_tree=args.static_tree)
+                      static_tree=args.static_tree, repeats=args.repeats)
     from .bench.runner import markdown_table
     summary = run_bench(cfg)
     print(markdown_table(summary))

@@ -45,6 +45,22 @@ def test_cost_table_after_a_proposal_and_for_long_catch_ups():
     assert c.as_dict()["target_ms_after_draft"] == {"1": 11.0, "9": 22.0}
 
 
+def test_what_every_cycle_costs_beside_its_forward_favours_committing_more(tiny):
+    """A cycle's bookkeeping costs the same whether it drafted or not: counted, a draft whose
+    cycles commit 1.55 tokens at 1.52 x a plain step's forward (the draft included) pays; without it,
+    it would not."""
+    def proposer_with(cycle_ms):
+        costs = CostTable({1: 1.0, 2: 1.47, 4: 2.0}, {1: 0.05}, cycle_ms=cycle_ms)
+        p = make(tiny, costs)
+        p.start(64)
+        p.reached[1:] = [11.0] + [0.0] * (p.max_depth - 1)  # depth 1 reached in 55 % of the cycles
+        p.tried[1:] = [20.0] * p.max_depth
+        return p
+    assert CostTable({1: 1.0}, {}, cycle_ms=0.25).cycle(1) == 1.25
+    assert proposer_with(0.0).choose_depth() == 0
+    assert proposer_with(0.25).choose_depth() == 1
+
+
 def test_a_long_catch_up_is_paid_for(tiny):
     """After a run of plain steps the draft must first read every position it missed: with that
     cost in the table, a draft that pays after a typical cycle does not pay after 60 of them."""
@@ -83,13 +99,59 @@ def test_measured_costs_cover_every_depth_and_grow_with_the_context(tiny):
     from jakiro.decoding.adaptive import measure_costs
     root, target, tok, prompts, reference = tiny
     proposer = DraftProposer(random_draft(root, target, "eagle2", {}, "cost-draft"), TreeBudget(3, 2, 6))
-    c = measure_costs(target, proposer, context=32, long_context=256, repeats=1)
+    c = measure_costs(target, proposer, context=32, long_context=256, rounds=2)
     assert c.context == 32 and sorted(c.draft_ms) == [1, 2, 3] and sorted(c.target_ms)[-1] == 7
     assert all(v > 0 for v in list(c.target_ms.values()) + list(c.draft_ms.values()))
     assert sorted(c.target_slope) == [1, 7] and min(c.target_slope.values()) >= 0.0
     assert c.draft_slope[3] >= c.draft_slope[1] >= 0.0
     assert sorted(c.drafted_ms) == sorted(c.target_ms) and min(c.drafted_ms.values()) > 0  # after a proposal
     assert sorted(c.catch_up_ms) == [2, 34] and c.draft(1, pending=40) >= c.draft(1)  # 258 rows do not fit
+
+
+def test_cost_differences_are_paired_within_each_round(monkeypatch):
+    """The machine's pace changes from round to round (here 1x, 3x, 1x, 5x, 2x): every quantity is
+    sampled in every round, and a difference the table keeps (a forward after a proposal vs after
+    a forward, a long context vs a short one, a catch-up vs a typical proposal) is the median of
+    the differences within rounds, so it comes out exact."""
+    from jakiro.decoding import adaptive
+
+    pace = iter([1.0, 3.0, 1.0, 5.0, 2.0] * 4)
+    now = {"pace": 1.0}
+
+    def forward_ms(target, cache, repeats, sizes, before=None, warmup=2, primed=0):
+        if cache.length == 32 and before is None:  # each round starts with the short-context forwards: a new pace
+            now["pace"] = next(pace)
+        extra = 0.5 if before is not None else 3.0 if cache.length == 256 else 0.0
+        return {n: now["pace"] * (1.0 + 0.1 * n) + extra for n in sizes}
+
+    def draft_costs(target, cache, proposer, context, depths, repeats, rows=2):
+        extra = 2.0 * (context - 32) / 224 + (rows - 2) / 32
+        return {d: now["pace"] * 0.2 * d + extra for d in depths}
+
+    class Cache:
+        def __init__(self, length):
+            self.length = length
+
+    monkeypatch.setattr(adaptive, "prefilled_cache", lambda target, context, scratch: Cache(context))
+    monkeypatch.setattr(adaptive, "forward_ms", forward_ms)
+    monkeypatch.setattr(adaptive, "_draft_costs", draft_costs)
+    monkeypatch.setattr(adaptive, "_prepared", lambda *a, **k: ([1, 2], lambda: None))
+
+    class Target:
+        class config:
+            max_context = 2048
+
+    class Proposer:
+        max_tree_tokens = 4
+        budget = TreeBudget(2, 2, 3)
+
+    c = adaptive.measure_costs(Target(), Proposer(), context=32, long_context=256, rounds=5)
+    assert c.target_ms[1] == pytest.approx(2.0 * 1.1)  # the median pace
+    assert all(c.drafted_ms[n] - c.target_ms[n] == pytest.approx(0.5) for n in c.target_ms)
+    assert all(v * 224 == pytest.approx(3.0) for v in c.target_slope.values())
+    assert c.draft_slope[2] * 224 == pytest.approx(2.0)
+    assert c.catch_up_ms[34] == pytest.approx(1.0) and c.catch_up_ms[258] == pytest.approx(8.0)
+    assert c.cycle_ms == pytest.approx(adaptive.CYCLE_SHARE * c.target_ms[1])
 
 
 def test_a_good_lookup_chain_leaves_a_weak_draft_idle(tiny):

@@ -249,6 +249,56 @@ def test_interrupted_bench_resumes_and_other_settings_are_refused(tmp_path, tiny
                               target=tiny_chat_target, warmup=0), progress=False)
 
 
+def test_repeated_answers_keep_the_fastest_and_must_agree(tmp_path, tiny_chat_target, tiny_draft, monkeypatch):
+    """``repeats``: each turn answered that many times per method, interleaved; the record kept is
+    the fastest (every time listed), the tokens the same; a repeat that decodes differently is an
+    error, and a count below one is refused before anything loads."""
+    from jakiro.bench import runner
+    from jakiro.bench.runner import BenchConfig, run_bench
+    questions = write_questions(tmp_path / "q.jsonl")
+
+    def config(out, **kw):
+        return BenchConfig(questions, ["ar", "pld", "jakiro"], {"jakiro": tiny_draft}, max_new_tokens=8,
+                           out=str(tmp_path / out), target=tiny_chat_target, warmup=0, **kw)
+
+    order = []
+    from jakiro.decoding.engine import Engine
+    real_generate = Engine.generate
+
+    def recording(self, ids, *a, **kw):
+        order.append(self.method)
+        return real_generate(self, ids, *a, **kw)
+    monkeypatch.setattr(Engine, "generate", recording)
+    once = run_bench(config("once"), progress=False)
+    order.clear()
+    twice = run_bench(config("twice", repeats=2), progress=False)
+    assert order[:6] == ["ar", "pld", "jakiro"] * 2  # the first turn: methods interleaved, twice
+    for m in ("ar", "pld", "jakiro"):
+        rows = [json.loads(line) for line in open(tmp_path / "twice" / f"answers_{m}.jsonl")]
+        ref = [json.loads(line) for line in open(tmp_path / "once" / f"answers_{m}.jsonl")]
+        for row, ref_row in zip(rows, ref):
+            for turn, ref_turn in zip(row["turns"], ref_row["turns"]):
+                assert len(turn["repeat_s"]) == 2 and turn["total_s"] == min(turn["repeat_s"])
+                assert turn["token_ids"] == ref_turn["token_ids"]
+        assert twice["methods"][m]["all"]["new_tokens"] == once["methods"][m]["all"]["new_tokens"]
+    assert json.load(open(tmp_path / "twice" / runner.RUN))["repeats"] == 2
+    assert "repeats" not in json.load(open(tmp_path / "once" / runner.RUN))  # as runs before the option
+
+    calls = {"n": 0}
+
+    def unstable(self, ids, *a, **kw):
+        calls["n"] += 1
+        res = real_generate(self, ids, *a, **kw)
+        if self.method == "pld" and calls["n"] > 3:
+            res.token_ids = res.token_ids[:-1]
+        return res
+    monkeypatch.setattr(Engine, "generate", unstable)
+    with pytest.raises(JakiroError, match="pld answered question 1 differently when repeated"):
+        run_bench(config("unstable", repeats=2), progress=False)
+    with pytest.raises(JakiroError, match="repeats must be a positive integer, got 0"):
+        run_bench(config("zero", repeats=0), progress=False)
+
+
 def test_bench_draft_option_is_a_folder_or_method_equals_folder(tiny_draft):
     from jakiro.cli import _bench_drafts
     assert _bench_drafts([tiny_draft]) == {"jakiro": tiny_draft}  # the method comes from the draft

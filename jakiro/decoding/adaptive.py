@@ -9,12 +9,12 @@ more: FORGET), and a calibration of the draft's path probabilities (EAGLE-2 scor
 of draft probabilities, over-confident for a weak draft) against the nodes actually accepted.
 
 Per cycle: the depth d (0 = plain step) maximises expected committed tokens per millisecond,
-E(d) / (t(n_d) + draft(d)) with E(d) = 1 + sum_{i<=d} P(path reaches depth i), both costs at the
-request's current length (the draft's including a share of the positions it must catch up on
-first, the target's as it runs right after a proposal), and drafting must beat not drafting by a
-small margin;
+E(d) / (t(n_d) + draft(d) + c) with E(d) = 1 + sum_{i<=d} P(path reaches depth i) and c what every
+cycle costs beside the two (``CYCLE_SHARE``), the costs at the request's current length (the
+draft's including a share of the positions it must catch up on first, the target's as it runs
+right after a proposal), and drafting must beat not drafting by a small margin;
 the drafted tree is then cut to the k best nodes maximising
-(1 + sum of their calibrated acceptance) / t(k + 1). With prompt lookup, depth i counts as
+(1 + sum of their calibrated acceptance) / (t(k + 1) + c). With prompt lookup, depth i counts as
 reached when the draft or the lookup chain gets there, the draft's chance being estimated on the
 cycles where the chain had not (a draft that proposes what the chain already holds adds nothing),
 and the chain alone is the option to beat;
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,10 @@ PRIOR_DEPTH = 0.6  # prior: P(path gets past level i | it reached i - 1) = 0.6 (
 DRAFT_MARGIN = 0.03  # drafting must promise this much more than not drafting: a drafted cycle's
 # bookkeeping (~3 % of its time, profiled) is not in the table, and its acceptance estimates rest
 # on a few dozen cycles; a draft that only breaks even stays idle
+CYCLE_SHARE = 0.1  # what a cycle costs outside the target's forward and the draft (verification, the
+# commit, detokenising), as a share of a one-token forward: on the development CPU (Zen 4 EPYC, 2
+# threads) a plain decoding cycle took 0.31 ms beside its 5.14 ms forward and the loop around it
+# 0.26 ms more per cycle. The same for every cycle, it makes a cycle that commits more relatively cheaper
 CATCH_UP_CYCLES = 8  # drafted cycles over which one catch-up is charged (``draft_cost``)
 PRIOR_LOOKUP_MISS = 0.7  # prior: a lookup token found by an n-token match (and whose predecessors
 PRIOR_LOOKUP_DECAY = 0.6  # matched) misses with 0.7 x 0.6^(n - 1): 0.3 / 0.58 / 0.75 match for n = 1 / 2 / 3
@@ -74,8 +79,8 @@ class CostTable:
     costs), so that a long prompt's dearer attention enters the choice.
 
     ``drafted_ms``: the target's forward over n tokens right after a draft proposal, which pushed
-    part of the target's weights out of the caches (measured: about 0.4 ms more than after
-    another target forward on SmolLM2-135M); ``catch_up_ms``: what a proposal costs more when it
+    part of the target's weights out of the caches (measured on SmolLM2-135M: 0.4 ms more than
+    after another target forward with a float32 draft, none with the int8 draft kernel); ``catch_up_ms``: what a proposal costs more when it
     first catches up on n committed positions instead of the two of a typical cycle (after a run
     of plain steps the draft reads dozens, at its first proposal the whole prompt), by n."""
     target_ms: dict[int, float]
@@ -85,11 +90,16 @@ class CostTable:
     draft_slope: dict[int, float] = field(default_factory=dict)
     drafted_ms: dict[int, float] = field(default_factory=dict)
     catch_up_ms: dict[int, float] = field(default_factory=dict)
+    cycle_ms: float = 0.0  # a cycle's cost outside the target's forward and the draft (``CYCLE_SHARE``)
 
     def target(self, n: int, context: int | None = None, drafted: bool = False) -> float:
         """A forward over ``n`` tree tokens; ``drafted``: right after a draft proposal."""
         extra = _at(self.target_slope, n) * (context - self.context) if context is not None else 0.0
         return _at(self.drafted_ms if drafted and self.drafted_ms else self.target_ms, n) + extra
+
+    def cycle(self, n: int, context: int | None = None, drafted: bool = False) -> float:
+        """A whole cycle verifying ``n`` tree tokens, the draft's proposal aside."""
+        return self.target(n, context, drafted) + self.cycle_ms
 
     def draft(self, depth: int, context: int | None = None, pending: int = 2) -> float:
         """A proposal of ``depth`` that first catches up on ``pending`` committed positions."""
@@ -111,7 +121,8 @@ class CostTable:
                 "target_ms_after_draft": rounded(self.drafted_ms, 3),
                 "draft_ms": rounded(self.draft_ms, 3), "target_ms_per_context_token": rounded(self.target_slope, 5),
                 "draft_ms_per_context_token": rounded(self.draft_slope, 5),
-                "draft_ms_more_by_caught_up_tokens": rounded(self.catch_up_ms, 3)}
+                "draft_ms_more_by_caught_up_tokens": rounded(self.catch_up_ms, 3),
+                "cycle_ms_beside_forwards": round(self.cycle_ms, 3)}
 
 
 def _at(table: dict[int, float], n: int) -> float:
@@ -131,9 +142,12 @@ def _at(table: dict[int, float], n: int) -> float:
     return table[lo] * (1 - w) + table[hi] * w
 
 
+MEASURE_ROUNDS = 5  # rounds of ``measure_costs``: medians of 5 paired samples per entry
+
+
 @torch.inference_mode()
 def measure_costs(target, proposer: DraftProposer | None, context: int = 128, long_context: int = 768,
-                  repeats: int = 3, max_tree_tokens: int | None = None) -> CostTable:
+                  rounds: int = MEASURE_ROUNDS, max_tree_tokens: int | None = None) -> CostTable:
     """Measure the cost table once (about three seconds for SmolLM2-135M on two cores; without
     a draft, for prompt lookup alone, only the target's forwards up to ``max_tree_tokens``).
 
@@ -143,30 +157,65 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
     that costs), and the target's tree forwards are timed both after another forward and
     right after a draft proposal. Target forwards are measured for every tree size after
     ``context`` tokens and, for the smallest and largest, after ``long_context`` tokens too: the
-    difference, per token, is how the cost grows with the prompt."""
+    difference, per token, is how the cost grows with the prompt.
+
+    Every quantity is sampled once per round, in ``rounds`` rounds, and what the table keeps of
+    a difference (after a proposal vs after a forward, long vs short context, a catch-up vs a
+    typical proposal) is the median of the differences within each round: on a shared machine
+    whose pace moves within seconds, measuring each quantity in a phase of its own made the
+    table's ratios swing (a forward after a proposal 0.89-1.43 x one after a forward, between
+    loads of one draft on the development CPU), and with them the choice between drafting and
+    not."""
     max_n = proposer.max_tree_tokens if proposer is not None else max_tree_tokens
     deepest = proposer.budget.depth if proposer is not None else 0
-    room = target.config.max_context - max_n - (deepest + 1) * (repeats + 2) * 2 - 8
+    room = target.config.max_context - max_n - (deepest + 1) * 2 * 4 - 8
     context = max(1, min(context, room // 2))
     long_context = max(context + 1, min(long_context, room))
-    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < max_n} | {max_n})
-    cache = prefilled_cache(target, long_context, max_n)
-    longer = monotone(forward_ms(target, cache, repeats, sorted({1, max_n})))
-    cache.truncate(context)
-    target_ms = monotone(forward_ms(target, cache, repeats, sizes))
     span = long_context - context
-    target_slope = {n: max(0.0, (longer[n] - target_ms[n]) / span) for n in longer}
+    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < max_n} | {max_n})
+    ends = sorted({1, max_n})
+    depths = list(range(1, deepest + 1))
+    short_cache = prefilled_cache(target, context, max_n)
+    long_cache = prefilled_cache(target, long_context, max_n)
+    catch_rows = [rows for rows in CATCH_UP_ROWS if context + rows * 4 < room]
+    samples: dict[str, list[dict]] = {}
+
+    def sample(key: str, values: dict) -> None:
+        samples.setdefault(key, []).append(values)
+
+    for r in range(max(1, rounds)):
+        warmup = 2 if r == 0 else 1
+        sample("short", forward_ms(target, short_cache, 1, sizes, warmup=warmup, primed=1))
+        sample("long", forward_ms(target, long_cache, 1, ends, warmup=warmup, primed=1))
+        if proposer is None:
+            continue
+        sample("draft", _draft_costs(target, short_cache, proposer, context, depths, 1))
+        sample("far", _draft_costs(target, short_cache, proposer, long_context, [deepest], 1))
+        sample("caught", {rows: _draft_costs(target, short_cache, proposer, context, [1], 1, rows=rows)[1]
+                          for rows in catch_rows})
+        sample("after", _forwards_after_proposals(target, short_cache, proposer, sizes, 1))
+
+    def median(key: str, keys, minus: str | None = None, minus_key=None) -> dict:
+        """Per entry, the median over rounds (of the difference to ``minus``'s entry in the same round)."""
+        out = {}
+        for k in keys:
+            values = [s[k] - (m[k if minus_key is None else minus_key] if minus else 0.0)
+                      for s, m in zip(samples[key], samples[minus] if minus else samples[key])]
+            out[k] = statistics.median(values)
+        return out
+
+    target_ms = monotone(median("short", sizes))
+    target_slope = {n: max(0.0, v / span) for n, v in median("long", ends, "short").items()}
+    cycle_ms = CYCLE_SHARE * target_ms[1]
     if proposer is None:
-        return CostTable(target_ms, {}, context, target_slope)
-    short = monotone(_draft_costs(target, cache, proposer, context, range(1, deepest + 1), repeats))
-    far = _draft_costs(target, cache, proposer, long_context, [deepest], repeats)
-    caught_up = {rows: _draft_costs(target, cache, proposer, context, [1], repeats, rows=rows)[1]
-                 for rows in CATCH_UP_ROWS if context + rows * (repeats + 3) < room}
-    slope = max(0.0, (far[deepest] - short[deepest]) / span)
+        return CostTable(target_ms, {}, context, target_slope, cycle_ms=cycle_ms)
+    short = monotone(median("draft", depths))
+    slope = max(0.0, median("far", [deepest], "draft")[deepest] / span)
     draft_slope = {d: slope * d / deepest for d in short}
-    catch_up = monotone({2: 0.0, **{rows: max(0.0, ms - short[1]) for rows, ms in caught_up.items()}})
-    drafted = monotone(_forwards_after_proposals(target, cache, proposer, sizes, repeats))
-    return CostTable(target_ms, short, context, target_slope, draft_slope, drafted, catch_up)
+    catch_up = monotone({2: 0.0, **{rows: max(0.0, v) for rows, v in
+                                    median("caught", catch_rows, "draft", minus_key=1).items()}})
+    drafted = monotone({n: target_ms[n] + v for n, v in median("after", sizes, "short").items()})
+    return CostTable(target_ms, short, context, target_slope, draft_slope, drafted, catch_up, cycle_ms)
 
 
 CATCH_UP_ROWS = (34, 258)  # proposals after a run of plain steps or a prompt: what catching up on them costs more
@@ -322,13 +371,13 @@ class AdaptiveProposer(Proposer):
         reach = self.reach_probability()
         chain = self.lookup_reach(chain_length) if chain_length else []
         chain += [0.0] * (self.max_depth + max(chain_length, 1) - len(chain))
-        best_depth, best_rate = 0, (1.0 + sum(chain)) / c.target(1 + chain_length, n_ctx) * (1 + DRAFT_MARGIN)
+        best_depth, best_rate = 0, (1.0 + sum(chain)) / c.cycle(1 + chain_length, n_ctx) * (1 + DRAFT_MARGIN)
         for d in range(1, self.max_depth + 1):
             either = [1 - (1 - q) * (1 - r) for q, r in zip(chain[:d], reach[:d])] + chain[d:]
             expected = 1.0 + sum(either)
             # a path to depth d verifies at least d nodes
             nodes = chain_length + max(d, round(self.nodes[d]))
-            rate = expected / (c.target(1 + nodes, n_ctx, drafted=True) + self.draft_cost(d, pending))
+            rate = expected / (c.cycle(1 + nodes, n_ctx, drafted=True) + self.draft_cost(d, pending))
             if rate > best_rate:
                 best_depth, best_rate = d, rate
         return best_depth
@@ -386,10 +435,10 @@ class AdaptiveProposer(Proposer):
         est = self.acceptance(tree)[1:]
         order = sorted(range(n), key=lambda i: -est[i])  # stable: ties keep parents (lower index) first
         gain, best_k = 1.0, 0
-        best_rate = gain / self.costs.target(1, self.context_length, drafted)
+        best_rate = gain / self.costs.cycle(1, self.context_length, drafted)
         for k in range(1, n + 1):
             gain += est[order[k - 1]]
-            rate = gain / self.costs.target(k + 1, self.context_length, drafted)
+            rate = gain / self.costs.cycle(k + 1, self.context_length, drafted)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         k = max(best_k, min(min_keep, n))
@@ -419,7 +468,7 @@ class AdaptiveProposer(Proposer):
         depth = self.choose_depth(len(chain))
         if depth == 0:
             self.idle += 1
-            self.plain_ms += self.costs.target(1 + len(chain), self.context_length)
+            self.plain_ms += self.costs.cycle(1 + len(chain), self.context_length)
             plain = self.prune(add_chain(chain_tree(context[-1], []), chain)) if chain else chain_tree(context[-1], [])
             if self.idle >= self.wait and self.inner and self._probe_affordable(plain.size):
                 # a probe: draft one level and verify its best token with what the step verifies
