@@ -169,6 +169,30 @@ def test_a_good_lookup_chain_leaves_a_weak_draft_idle(tiny):
     assert proposer.choose_depth(4) == 0  # next to it, drafting is not worth its cost
 
 
+def test_a_poor_lookup_chain_does_not_keep_a_good_draft_idle(tiny):
+    """A six-token chain found by a one-token match, each token right a third of the time. Priced
+    whole into every option, such a chain moved the choice (here to a deeper draft than alone; on
+    Spec-Bench math, to plain steps: the hybrid drafted a tenth of what the draft alone did); with
+    each option priced with the chain's best prefix for it (here none of it), the draft's choice is
+    what it is alone."""
+    from jakiro.decoding.proposers import PromptLookupProposer
+    root, target, tok, prompts, reference = tiny
+    draft = random_draft(root, target, "eagle2", {}, "poor-chain-draft")
+    costs = CostTable({1: 1.0, 2: 1.3, 4: 1.9, 8: 3.1}, {1: 0.1, 2: 0.2})
+    proposer = AdaptiveProposer(DraftProposer(draft, TreeBudget(2, 1, 2)), target, costs,
+                                lookup=PromptLookupProposer(num_tokens=6))
+    proposer.reached[1:] = [14.0, 8.0]  # the draft reaches depth 1 in 70 % of cycles
+    proposer.tried[1:] = [20.0] * 2
+    alone = proposer.choose_depth(0)
+    assert alone >= 1
+    proposer.lookup_hits = [[6.0] * len(row) for row in proposer.lookup_hits]  # right a third of the time
+    proposer.lookup_seen = [[18.0] * len(row) for row in proposer.lookup_seen]
+    proposer.chain_ngram = 1
+    whole = (1 + sum(proposer.lookup_reach(6))) / costs.cycle(7)
+    assert whole < 1.0  # the whole chain alone loses to a plain step ...
+    assert proposer.choose_depth(6) == alone  # ... and does not change the draft's choice
+
+
 
 def test_a_draft_that_repeats_the_chain_earns_nothing_beside_it(tiny):
     """Accepted nodes that the lookup chain proposed too say nothing of what drafting adds: the

@@ -364,22 +364,27 @@ class AdaptiveProposer(Proposer):
     def choose_depth(self, chain_length: int = 0) -> int:
         """The draft depth (0: none) that maximises expected committed tokens per ms, drafting only
         where that beats not drafting by ``DRAFT_MARGIN``. With a lookup chain of ``chain_length``
-        tokens in the tree, depth i is reached when either source gets there (taken as
-        independent), and the chain alone is the option to beat."""
+        tokens, each option is priced with the chain's best prefix for it (``prune`` cuts the
+        chain as it cuts the draft: charging the whole of a poor chain to every drafted option kept
+        the draft idle beside it, the hybrid drafting a tenth of what the draft alone did on math),
+        and depth i is reached when either source gets there (taken as independent)."""
         c, n_ctx = self.costs, self.context_length
         pending = self.inner.pending_rows if self.inner else 0
         reach = self.reach_probability()
         chain = self.lookup_reach(chain_length) if chain_length else []
-        chain += [0.0] * (self.max_depth + max(chain_length, 1) - len(chain))
-        best_depth, best_rate = 0, (1.0 + sum(chain)) / c.cycle(1 + chain_length, n_ctx) * (1 + DRAFT_MARGIN)
-        for d in range(1, self.max_depth + 1):
-            either = [1 - (1 - q) * (1 - r) for q, r in zip(chain[:d], reach[:d])] + chain[d:]
-            expected = 1.0 + sum(either)
+        best_depth, best_rate = 0, 0.0
+        for d in range(0, self.max_depth + 1):
             # a path to depth d verifies at least d nodes
-            nodes = chain_length + max(d, round(self.nodes[d]))
-            rate = expected / (c.cycle(1 + nodes, n_ctx, drafted=True) + self.draft_cost(d, pending))
-            if rate > best_rate:
-                best_depth, best_rate = d, rate
+            nodes = max(d, round(self.nodes[d])) if d else 0
+            spent = self.draft_cost(d, pending) if d else 0.0
+            for kept in range(chain_length + 1):  # the chain's first `kept` tokens go with it
+                q = chain[:kept] + [0.0] * max(0, d - kept)
+                expected = 1.0 + sum(1 - (1 - qi) * (1 - ri) for qi, ri in zip(q[:d], reach)) + sum(q[d:])
+                rate = expected / (c.cycle(1 + kept + nodes, n_ctx, drafted=d > 0) + spent)
+                if d == 0:
+                    rate *= 1 + DRAFT_MARGIN
+                if rate > best_rate:
+                    best_depth, best_rate = d, rate
         return best_depth
 
     def draft_cost(self, depth: int, pending: int) -> float:
