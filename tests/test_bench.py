@@ -72,6 +72,8 @@ def test_bench_summary_is_consistent_and_plots_are_written(tmp_path, tiny_chat_t
     assert 0 <= cover["draft_vocab"] <= cover["with_prompt"] <= 1
     assert "head_coverage" not in methods["pld"]["all"]
     assert methods["ar"]["all"]["plain_steps"] == methods["ar"]["all"]["target_forwards"]
+    assert set(summary["cost_tables"]) == {"pld", "jakiro"}  # the cost-aware engines (not the fixed tree)
+    assert summary["cost_tables"]["jakiro"]["draft_ms"] and not summary["cost_tables"]["pld"]["draft_ms"]
     for name in ("summary.json", "summary.md", "speedup.png", "tau.png", "acceptance.png",
                  "answers_ar.jsonl", "answers_jakiro.jsonl"):
         assert os.path.getsize(tmp_path / "out" / name) > 0

@@ -102,7 +102,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         for _ in range(cfg.warmup):
             answerer(m, [{"role": "user", "content": "Say hello."}], 0)
     _answer_all(cfg, questions, records, done, answerer, progress)
-    return _write_results(cfg, questions, records)
+    return _write_results(cfg, questions, records, answerer.cost_tables())
 
 
 class _Answerer:
@@ -123,6 +123,11 @@ class _Answerer:
             draft = cfg.drafts.get(m) or cfg.drafts.get(method.removesuffix("+pld"))
             self.engines[m] = jk.add_method(method, draft, budget, cache_dir=cfg.cache_dir, **options)
         self.hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
+
+    def cost_tables(self) -> dict:
+        """Each cost-aware engine's cost table (``decoding.adaptive.CostTable.as_dict``)."""
+        return {m: e.proposer.costs.as_dict() for m, e in self.engines.items()
+                if getattr(e.proposer, "costs", None) is not None}
 
     def __call__(self, m: str, messages: list[dict], seed: int) -> dict:
         from ..decoding.sampling import SamplingParams
@@ -204,7 +209,7 @@ def _keep_fastest(fastest: dict, m: str, rec: dict, question: dict) -> None:
         kept["repeat_s"] = times
 
 
-def _write_results(cfg: BenchConfig, questions: list[dict], records: dict) -> dict:
+def _write_results(cfg: BenchConfig, questions: list[dict], records: dict, cost_tables: dict | None = None) -> dict:
     order = {q["question_id"]: i for i, q in enumerate(questions)}
     for rows in records.values():
         rows.sort(key=lambda r: order[r["question_id"]])
@@ -213,6 +218,8 @@ def _write_results(cfg: BenchConfig, questions: list[dict], records: dict) -> di
             for r in rows:
                 f.write(json.dumps(r) + "\n")
     summary = summarize(records, cfg)
+    if cost_tables:  # what this run's cost-aware engines measured at load (their decisions follow it)
+        summary["cost_tables"] = cost_tables
     with open(os.path.join(cfg.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     with open(os.path.join(cfg.out, "summary.md"), "w") as f:

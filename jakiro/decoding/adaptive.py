@@ -17,7 +17,7 @@ the drafted tree is then cut to the k best nodes maximising
 (1 + sum of their calibrated acceptance) / (t(k + 1) + c). With prompt lookup, depth i counts as
 reached when the draft or the lookup chain gets there, the draft's chance being estimated on the
 cycles where the chain had not (a draft that proposes what the chain already holds adds nothing),
-and the chain alone is the option to beat;
+and each option (a plain step included) is priced with the chain's best prefix for it;
 the chain's chances are kept apart by the length of the n-gram match that found it (a chain
 found by one matching token is right far less often than one found by three).
 While plain steps win, a probe after 4, 8, 16 ... plain steps drafts one level and verifies its
@@ -80,9 +80,10 @@ class CostTable:
 
     ``drafted_ms``: the target's forward over n tokens right after a draft proposal, which pushed
     part of the target's weights out of the caches (measured on SmolLM2-135M: 0.4 ms more than
-    after another target forward with a float32 draft, none with the int8 draft kernel); ``catch_up_ms``: what a proposal costs more when it
-    first catches up on n committed positions instead of the two of a typical cycle (after a run
-    of plain steps the draft reads dozens, at its first proposal the whole prompt), by n."""
+    after another target forward with a float32 draft, none with the int8 draft kernel);
+    ``catch_up_ms``: what a proposal costs more when it first catches up on n committed positions
+    instead of the two of a typical cycle (after a run of plain steps the draft reads dozens, at
+    its first proposal the whole prompt), by n."""
     target_ms: dict[int, float]
     draft_ms: dict[int, float]
     context: int = 0
