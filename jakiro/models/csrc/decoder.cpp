@@ -412,13 +412,11 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
       std::memcpy(c.v_of(r) + j * c.head_stride + p * c.row_stride, row + (H + Hkv + j) * D, D * sizeof(float));
     }
   }
-  // one task per (KV head, row); its g query heads are consecutive in q. Head-major: a thread's
-  // consecutive tasks are mostly the rows of one KV head, whose cached keys and values (460 KB at a
-  // 900-token context for SmolLM2-135M) the first row brings into the core's cache for the others
+  // one task per (row, KV head); its g query heads are consecutive in q
   const int64_t work = n * H * s.keys * D, ld = g * s.keys;
   at::parallel_for(0, n * Hkv, work >= PARALLEL_WORK ? 1 : n * Hkv, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j = t / n, r = t % n;
+      const int64_t r = t / Hkv, j = t % Hkv;
       attend_any(s.qkv + r * NQKV + j * g * D, g, c.k_of(r) + j * c.head_stride, c.v_of(r) + j * c.head_stride,
                  c.row_stride, vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + t * ld);
     }
