@@ -169,6 +169,7 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
     not."""
     max_n = proposer.max_tree_tokens if proposer is not None else max_tree_tokens
     deepest = proposer.budget.depth if proposer is not None else 0
+    # each sampling call starts the draft afresh: room for its committed rows and proposals
     room = target.config.max_context - max_n - (deepest + 1) * 2 * 4 - 8
     context = max(1, min(context, room // 2))
     long_context = max(context + 1, min(long_context, room))
