@@ -63,6 +63,9 @@ class DataConfig:
     aux_layers: str = _opt("", "also store the target's residual stream after these decoder layers "
                                "(comma-separated counts, e.g. 3,15) for drafts with mid-layer inputs "
                                "(jakiro train --aux-layers); three times the storage for two layers")
+    tokens_only: bool = _opt(False, "store tokens and loss masks only, no features: `jakiro train` then computes "
+                                    "the features with the target on the fly (on a GPU, cheaper than storing "
+                                    "them; --aux-layers still names the streams the draft will read)")
 
     def check(self) -> None:
         """Refuse settings that cannot build a dataset (the command line and the API alike)."""
@@ -134,6 +137,9 @@ class TrainConfig:
     tau_prompts: int = _opt(6, "held-out prompts decoded for --tau-every")
     tau_tokens: int = _opt(48, "tokens decoded per prompt for --tau-every")
     checkpoint_every: int = _opt(100, "checkpoint every N steps (--resume continues from the last)")
+    minutes: float = _opt(0.0, "train for about this long (after loading): after 11 steps the "
+                               "step count is set from their pace so that the learning-rate schedule ends "
+                               "on time (--steps stays the upper bound; 0 = no limit)")
     seed: int = _opt(0, "seed of the initialisation, the data order and the noise")
 
     def check(self, world: int = 1) -> None:
@@ -150,6 +156,8 @@ class TrainConfig:
                               "(the learning rate would never reach its peak)")
         if not self.p_weight >= 0:
             raise JakiroError(f"--p-weight must be >= 0, got {self.p_weight}")
+        if not self.minutes >= 0:
+            raise JakiroError(f"--minutes must be >= 0, got {self.minutes}")
         if not self.lr > 0:
             raise JakiroError(f"--lr must be > 0, got {self.lr}")
         parse_layers(self.aux_layers)

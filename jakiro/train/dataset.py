@@ -202,9 +202,10 @@ def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[in
     tensors = {
         "input_ids": torch.tensor([t for ids, _, _ in records for t in ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for _, mask, _ in records for m in mask], dtype=torch.uint8),
-        "features": half_features(torch.cat([f for _, _, f in records])),
         "offsets": torch.tensor(offsets, dtype=torch.int64),
     }
+    if records[0][2] is not None:  # a tokens-only dataset (``--tokens-only``) stores no features
+        tensors["features"] = half_features(torch.cat([f for _, _, f in records]))
     tmp = os.path.join(folder, name + ".tmp")
     try:
         save_file(tensors, tmp)
@@ -258,6 +259,8 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         identity.update(regen_max_tokens=cfg.regen_max_tokens, sample_share=cfg.sample_share)
     if cfg.first_record:
         identity["first_record"] = cfg.first_record
+    if cfg.tokens_only:
+        identity["tokens_only"] = True
     aux_layers = parse_layers(cfg.aux_layers)
     if aux_layers:
         target.check_aux_layers(aux_layers)
@@ -309,13 +312,13 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         if tok is None:
             continue
         ids, mask = tok
-        feats = generated.get(item[0], ids, width) if generated is not None else None
-        if feats is None:
+        feats = generated.get(item[0], ids, width) if generated is not None and not cfg.tokens_only else None
+        if feats is None and not cfg.tokens_only:
             with torch.inference_mode():
                 cache = target.new_cache(len(ids))
                 _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0), aux_layers=aux_layers)
             feature_tokens += len(ids)
-        else:
+        elif feats is not None:
             state["features_from_regeneration"] = state.get("features_from_regeneration", 0) + 1
         pending.append((ids, mask, feats))
         bar.update(1)
@@ -365,7 +368,8 @@ def _save_state(out: str, state: dict) -> None:
 
 class FeatureDataset:
     """All records of one or more built datasets in memory: ids [N] int64, mask [N] bool,
-    features [N, d] (float32), and per-record offsets. ``folders``: a folder, a list of them, or
+    features [N, width] (float16; None for datasets built with ``--tokens-only``), and per-record
+    offsets. ``folders``: a folder, a list of them, or
     a comma-separated string (``--data A,B``); they must have been built for the same target,
     and ``parts`` says how many records each contributed, in order."""
 
@@ -389,12 +393,16 @@ class FeatureDataset:
             if self.parts and _target_keys(ident) != _target_keys(self.identity):
                 raise JakiroError(f"datasets {folders[0]} and {folder} were built for different targets "
                                   f"({self.identity['target_name']} and {ident['target_name']})")
+            if self.parts and bool(ident.get("tokens_only")) != self.tokens_only:
+                raise JakiroError(f"datasets {folders[0]} and {folder} differ in holding features (one was built "
+                                  f"with jakiro data --tokens-only); build them alike")
             if self.parts and ident.get("aux_layers", []) != self.identity.get("aux_layers", []):
                 raise JakiroError(f"datasets {folders[0]} and {folder} hold different mid-layer streams "
                                   f"({self.identity.get('aux_layers', [])} and {ident.get('aux_layers', [])}); "
                                   f"build them with the same jakiro data --aux-layers")
             if not self.parts:
                 self.identity = ident
+                self.tokens_only = bool(ident.get("tokens_only"))
             records = len(offsets)
             for name in state["shards"]:
                 try:
@@ -404,14 +412,16 @@ class FeatureDataset:
                 base = offsets[-1]
                 ids.append(shard["input_ids"].long())
                 masks.append(shard["loss_mask"].bool())
-                feats.append(shard["features"])
+                if not self.tokens_only:
+                    feats.append(shard["features"])
                 offsets.extend((shard["offsets"][1:] + base).tolist())
             self.parts.append(len(offsets) - records)
             for k, v in state["token_counts"].items():
                 self.token_counts[int(k)] = self.token_counts.get(int(k), 0) + v
         self.ids = torch.cat(ids)
         self.mask = torch.cat(masks)
-        self.features = torch.cat(feats)  # float16; converted per batch
+        # float16, converted per batch; None for tokens-only datasets (the trainer computes them)
+        self.features = torch.cat(feats) if feats else None
         self.offsets = torch.tensor(offsets)
 
     @property
@@ -439,9 +449,14 @@ class FeatureDataset:
     def __len__(self) -> int:
         return self.offsets.shape[0] - 1
 
-    def record(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    @property
+    def width(self) -> int:
+        """Feature values per token: the final feature, then each mid-layer stream."""
+        return (1 + len(self.aux_layers)) * self.identity["hidden_size"]
+
+    def record(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self.ids[a:b], self.mask[a:b], self.features[a:b]
+        return self.ids[a:b], self.mask[a:b], None if self.features is None else self.features[a:b]
 
     def frequent_tokens(self, n: int) -> torch.Tensor:
         """The n most frequent token ids (ties by id); pads with the lowest unused ids."""

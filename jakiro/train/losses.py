@@ -214,7 +214,7 @@ def heldout_metrics(model, batches, steps: int, full_head: torch.Tensor) -> dict
     decoupled = jakiro and model.config.candidate_mode == "decoupled"
     for ids, feats, mask in batches:
         feats, extra = _inputs(model, feats, None)
-        target_tok = torch.full(mask.shape, -1, dtype=torch.long)
+        target_tok = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
         target_tok[mask] = F.linear(feats[mask], full_head).argmax(-1)
         for rows in unroll(model, ids, feats, mask, steps, extra, lookahead=2 if jakiro else 1):
             k = rows.step - 1

@@ -21,6 +21,8 @@ from .dataset import FeatureDataset
 from .config import TrainConfig, parse_layers
 from .losses import draft_loss, heldout_metrics
 
+CALIBRATION_STEPS = 10  # --minutes: timed steps (after the first) that set the step count
+
 
 def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -41,24 +43,39 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def make_batch(ds: FeatureDataset, indices: list[int], seq_len: int, device,
-               noise: float = 0.0, noise_seed: int = 0) -> tuple:
+               noise: float = 0.0, noise_seed: int = 0, featurizer=None) -> tuple:
     """Pad records to a common length: ids [B, T], feats [B, T, width] float32, mask [B, T] bool,
     and the input noise [B, T, d]. A record's noise depends only on (noise_seed, its index), so a
-    batch is the same however it is split over processes and however often training resumes."""
+    batch is the same however it is split over processes and however often training resumes.
+    A tokens-only dataset's features come from ``featurizer`` (a ``FeatureModel`` on ``device``),
+    zero past each record's end as stored ones are."""
     recs = [ds.record(i) for i in indices]
     T = min(seq_len, max(r[0].shape[0] for r in recs))
     B, d = len(recs), ds.identity["hidden_size"]
     ids = torch.zeros(B, T, dtype=torch.long)
-    feats = torch.zeros(B, T, ds.features.shape[1])  # wider than d where the data holds mid-layer streams
+    stored = ds.features is not None
+    feats = torch.zeros(B, T, ds.width) if stored else None  # wider than d with mid-layer streams
     mask = torch.zeros(B, T, dtype=torch.bool)
+    lengths = torch.zeros(B, dtype=torch.long)
     noises = torch.zeros(B, T, d)
     for b, (i, m, f) in enumerate(recs):
-        n = min(T, i.shape[0])
-        ids[b, :n], mask[b, :n], feats[b, :n] = i[:n], m[:n], f[:n].float()
+        n = lengths[b] = min(T, i.shape[0])
+        ids[b, :n], mask[b, :n] = i[:n], m[:n]
+        if stored:
+            feats[b, :n] = f[:n].float()
         if noise > 0:
             g = torch.Generator().manual_seed(noise_seed * 1_000_003 + indices[b])
             noises[b, :n] = (torch.rand(n, d, generator=g) - 0.5) * noise
-    return ids.to(device), feats.to(device), mask.to(device), noises.to(device)
+    ids = ids.to(device)
+    if stored:
+        feats = feats.to(device)
+    else:
+        if featurizer is None:
+            raise JakiroError(f"dataset {ds.folder} holds no features (jakiro data --tokens-only) and no target "
+                              f"was given to compute them")
+        valid = torch.arange(T, device=ids.device) < lengths.to(ids.device)[:, None]
+        feats = featurizer(ids) * valid[..., None]
+    return ids, feats, mask.to(device), noises.to(device)
 
 
 class DraftLoss(torch.nn.Module):
@@ -140,9 +157,9 @@ def heldout_tau(engine, ds: FeatureDataset, indices: list[int], tokens: int) -> 
     return total.tau
 
 
-def heldout_batches(ds: FeatureDataset, indices: list[int], seq_len: int, device, size: int = 8):
+def heldout_batches(ds: FeatureDataset, indices: list[int], seq_len: int, device, size: int = 8, featurizer=None):
     for start in range(0, len(indices), size):
-        ids, feats, mask, _ = make_batch(ds, indices[start:start + size], seq_len, device)
+        ids, feats, mask, _ = make_batch(ds, indices[start:start + size], seq_len, device, featurizer=featurizer)
         yield ids, feats, mask
 
 
@@ -185,6 +202,10 @@ class Trainer:
         target = TargetModel.from_folder(self.target_dir)
         self.ds.check_target(target)
         self.target_name = target.config.name
+        self.featurizer = None
+        if self.ds.features is None:  # a tokens-only dataset: the target computes the features per batch
+            from ..models.features import FeatureModel
+            self.featurizer = FeatureModel(self.target_dir, self.ds.aux_layers, self.device)
         self.embed = target.embed.to(self.device)
         self.full_head = target.lm_head.weight.to(self.device)
         self.train_idx, self.eval_idx = heldout_split(self.ds.parts, cfg.eval_records)
@@ -223,7 +244,7 @@ class Trainer:
     # ------------------------------------------------------------------ run folder
     def _run_identity(self) -> dict:
         ident = asdict(self.cfg)
-        for k in ("out", "steps", "eval_every", "checkpoint_every", "tau_every", "tau_prompts", "tau_tokens"):
+        for k in ("out", "steps", "minutes", "eval_every", "checkpoint_every", "tau_every", "tau_prompts", "tau_tokens"):
             ident.pop(k)
         ident["target_name"] = self.ds.identity["target_name"]
         if self.cfg.method == "eagle2":  # one dense MLP: the Mixture-of-Experts settings do not apply
@@ -326,7 +347,7 @@ class Trainer:
         cfg = self.cfg
         local = indices[self.rank::self.world]
         ids, feats, mask, noises = make_batch(self.ds, local, cfg.seq_len, self.device, cfg.noise,
-                                              cfg.seed + 7919 * self.step)
+                                              cfg.seed + 7919 * self.step, self.featurizer)
         count = mask[:, 1:].sum().to(torch.float64)
         if self.world > 1:
             dist.all_reduce(count)
@@ -350,7 +371,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Held-out metrics as drafting sees them (``losses.heldout_metrics``)."""
-        return heldout_metrics(self.model, heldout_batches(self.ds, self.eval_idx, self.cfg.seq_len, self.device),
+        return heldout_metrics(self.model, heldout_batches(self.ds, self.eval_idx, self.cfg.seq_len, self.device,
+                                                               featurizer=self.featurizer),
                                self.cfg.eval_steps, self.full_head)
 
     def decoding_tau(self) -> float:
@@ -375,7 +397,13 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {cfg.method}",
                    disable=not self.progress or self.rank != 0)
         t0 = time.time()
+        paced = (self.step + 1, None) if cfg.minutes else None  # (step that starts the pace's clock, its time)
         while self.step < end:
+            if paced and self.step == paced[0]:  # the first step (allocations, kernel choice) is not timed
+                paced = (paced[0], time.time())
+            if paced and paced[1] and self.step == paced[0] + CALIBRATION_STEPS:
+                end = self._fit_to_minutes(paced, t0, end, bar)
+                paced = None
             row = self.train_step(self.batch_indices(self.step))
             if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                 row["eval"] = self.evaluate()
@@ -395,6 +423,22 @@ class Trainer:
         if self.step == cfg.steps and self.rank == 0:
             self.finish()
         return result
+
+    def _fit_to_minutes(self, paced: tuple[int, float], t0: float, end: int, bar) -> int:
+        """Set the step count so that the rest of the run fits ``--minutes`` at the pace of the
+        steps since ``paced`` (evaluations and checkpoints counted at their share so far)."""
+        cfg = self.cfg
+        per_step = (time.time() - paced[1]) / (self.step - paced[0])
+        left = cfg.minutes * 60 - (time.time() - t0)
+        # a held-out evaluation runs forwards only, over batches of 8 records: about half a step's
+        # time per training batch of records (an overestimate; the final one is counted too)
+        eval_s = per_step * len(self.eval_idx) / cfg.batch_size / 2
+        steps = int((left - eval_s) / (per_step + eval_s / cfg.eval_every))
+        cfg.steps = max(min(cfg.steps, self.step + steps), cfg.warmup + 1, self.step + 1)
+        if self.progress and self.rank == 0:
+            bar.total = cfg.steps
+            bar.write(f"--minutes {cfg.minutes:g}: {per_step:.3f} s a step, training to step {cfg.steps}")
+        return min(end, cfg.steps)
 
     def finish(self) -> None:
         cfg = self.cfg

@@ -1,0 +1,102 @@
+"""The target's features for padded batches of whole sequences, on any device.
+
+Training a draft on a GPU is cheaper with the features computed on the fly than stored: a forward
+of a 135M-parameter target over a batch costs about what one unrolled draft step's training does,
+where the stored features of nine million tokens with two mid-layer streams take 30 GB. This is
+the same decoder stack as ``TargetModel`` (float32 weights, rotate-half RoPE, grouped-query
+attention, RMSNorm, SwiGLU), written for [batch, tokens] inputs with plain torch operations and no
+cache: sequences are padded on the right, so causal attention keeps every real token's features
+independent of the padding after it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import JakiroError
+from .target import TargetConfig, _load_state_dict, rope_tables
+
+
+class FeatureModel(torch.nn.Module):
+    """features(ids [B, T]) -> [B, T, (1 + A) d]: the final norm's output, then the residual
+    stream after each of ``aux_layers`` decoder layers, the layout ``TargetModel.forward`` gives."""
+
+    def __init__(self, folder: str, aux_layers: tuple[int, ...] = (), device: str | torch.device = "cpu"):
+        super().__init__()
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(folder)
+        self.config = cfg = TargetConfig.from_hf(hf_config, os.path.basename(os.path.normpath(folder)))
+        if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < a < cfg.num_layers for a in aux_layers):
+            raise JakiroError(f"mid-layer features must come after increasing layer counts in "
+                              f"1..{cfg.num_layers - 1}, got {list(aux_layers)}")
+        self.aux_layers = tuple(aux_layers)
+        state = _load_state_dict(folder)
+        prefix = "model." if any(k.startswith("model.") for k in state) else ""
+
+        def take(key: str) -> torch.Tensor:
+            if prefix + key not in state:
+                raise JakiroError(f"missing weight {prefix + key!r} in target checkpoint {folder}")
+            return state[prefix + key].float()
+
+        self.embed = torch.nn.Parameter(take("embed_tokens.weight"), requires_grad=False)
+        self.weights = torch.nn.ParameterList()  # per layer, in the order ``_layer`` reads them
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            qkv = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
+            bias = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0) if cfg.qkv_bias
+                    else torch.zeros(qkv.shape[0]))
+            norms = ((take(p + "self_attn.q_norm.weight"), take(p + "self_attn.k_norm.weight")) if cfg.qk_norm
+                     else (torch.ones(cfg.head_dim), torch.ones(cfg.head_dim)))
+            for w in (take(p + "input_layernorm.weight"), qkv, bias, *norms, take(p + "self_attn.o_proj.weight"),
+                      take(p + "post_attention_layernorm.weight"),
+                      torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0),
+                      take(p + "mlp.down_proj.weight")):
+                self.weights.append(torch.nn.Parameter(w, requires_grad=False))
+        self.norm = torch.nn.Parameter(take("norm.weight"), requires_grad=False)
+        cos, sin = rope_tables(hf_config, cfg.head_dim, cfg.max_context)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.to(device)
+
+    @property
+    def width(self) -> int:
+        return (1 + len(self.aux_layers)) * self.config.hidden_size
+
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        in_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, post_norm, gate_up, down = self.weights[9 * i: 9 * i + 9]
+        B, T, d = x.shape
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = F.rms_norm(x, (d,), in_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, qkv_w, qkv_b)
+        q = qkv[..., : H * D].view(B, T, H, D)
+        k = qkv[..., H * D: (H + Hkv) * D].view(B, T, Hkv, D)
+        v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
+        if cfg.qk_norm:
+            q, k = F.rms_norm(q, (D,), q_norm, cfg.rms_norm_eps), F.rms_norm(k, (D,), k_norm, cfg.rms_norm_eps)
+        half = D // 2
+        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
+        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, scale=D ** -0.5, enable_gqa=H != Hkv)
+        x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), o_w)
+        gate, up = F.linear(F.rms_norm(x, (d,), post_norm, cfg.rms_norm_eps), gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, down)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
+        if T > self.config.max_context:
+            raise JakiroError(f"{T} tokens exceed the target's context of {self.config.max_context}")
+        cos, sin = self.cos[:T].view(1, T, 1, -1), self.sin[:T].view(1, T, 1, -1)
+        x = self.embed[ids]
+        streams = []
+        for i in range(self.config.num_layers):
+            x = self._layer(i, x, cos, sin)
+            if i + 1 in self.aux_layers:
+                streams.append(x)
+        final = F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return torch.cat((final, *streams), -1)
