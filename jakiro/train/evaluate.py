@@ -38,11 +38,13 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     if ds.features is None:  # a tokens-only dataset: the target computes the features
         from ..models.features import FeatureModel
         featurizer = FeatureModel(path, ds.aux_layers)
+    # the held-out batches once for every draft (a tokens-only dataset's features cost a target forward)
+    batches = list(heldout_batches(ds, eval_idx, seq_len, "cpu", featurizer=featurizer))
     out = []
     for folder in drafts:
         draft = load_draft(folder, model)
         ds.check_draft(draft.config)
-        metrics = heldout_metrics(draft, heldout_batches(ds, eval_idx, seq_len, "cpu", featurizer=featurizer), steps, model.lm_head.weight)
+        metrics = heldout_metrics(draft, batches, steps, model.lm_head.weight)
         row = {"draft": folder, "heldout_records": len(eval_idx),
                **{k: [round(x, 4) for x in v] for k, v in metrics.items()}}
         if prompts:
