@@ -426,7 +426,8 @@ class Trainer:
 
     def _fit_to_minutes(self, paced: tuple[int, float], t0: float, end: int, bar) -> int:
         """Set the step count so that the rest of the run fits ``--minutes`` at the pace of the
-        steps since ``paced`` (evaluations and checkpoints counted at their share so far)."""
+        steps since ``paced``, held-out evaluations estimated; with several processes, rank 0's
+        count holds for all (each must stop at the same step)."""
         cfg = self.cfg
         per_step = (time.time() - paced[1]) / (self.step - paced[0])
         left = cfg.minutes * 60 - (time.time() - t0)
@@ -435,6 +436,10 @@ class Trainer:
         eval_s = per_step * len(self.eval_idx) / cfg.batch_size / 2
         steps = int((left - eval_s) / (per_step + eval_s / cfg.eval_every))
         cfg.steps = max(min(cfg.steps, self.step + steps), cfg.warmup + 1, self.step + 1)
+        if self.world > 1:
+            box = [cfg.steps]
+            dist.broadcast_object_list(box, src=0)
+            cfg.steps = box[0]
         if self.progress and self.rank == 0:
             bar.total = cfg.steps
             bar.write(f"--minutes {cfg.minutes:g}: {per_step:.3f} s a step, training to step {cfg.steps}")
