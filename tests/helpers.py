@@ -8,6 +8,14 @@ import torch
 from jakiro.decoding.proposers import Proposer
 
 
+def write_conversations(path, conversations: list[list[tuple[str, str]]]) -> None:
+    """A ShareGPT-style JSONL source: one line per conversation of (from, value) turns."""
+    import json
+    with open(path, "w") as f:
+        for turns in conversations:
+            f.write(json.dumps({"conversations": [{"from": who, "value": text} for who, text in turns]}) + "\n")
+
+
 def spec_bench_prompts(n: int) -> list[str]:
     """n first-turn questions spread round-robin over the categories of the Spec-Bench file
     (../shared/data/spec_bench/question.jsonl, or MT-bench from its package when absent)."""

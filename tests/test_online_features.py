@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers import make_tiny_target
+from helpers import make_tiny_target, write_conversations
 from jakiro.errors import JakiroError
 from jakiro.models.features import FeatureModel
 from jakiro.models.target import TargetModel
@@ -96,11 +96,8 @@ def test_data_build_with_tokens_only_stores_what_the_features_build_does(tmp_pat
     from jakiro.models.hub import resolve_target
     from jakiro.train.dataset import DataConfig, build_dataset
     src = tmp_path / "conv.jsonl"
-    with open(src, "w") as f:
-        for i in range(3):
-            f.write(json.dumps({"conversations": [
-                {"from": "human", "value": f"What is {i} times {i + 2}?"},
-                {"from": "gpt", "value": f"{i} times {i + 2} is {i * (i + 2)}."}]}) + "\n")
+    write_conversations(src, [[("human", f"What is {i} times {i + 2}?"), ("gpt", f"{i} times {i + 2} is {i * (i + 2)}.")]
+                              for i in range(3)])
     full = DataConfig(None, str(src), max_records=3, aux_layers="3")
     build_dataset(str(tmp_path / "full"), full, progress=False)
     only = DataConfig(None, str(src), max_records=3, aux_layers="3", tokens_only=True)

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from helpers import make_tiny_target
+from helpers import make_tiny_target, write_conversations
 from jakiro.errors import JakiroError
 from jakiro.models.target import TargetModel
 from jakiro.train.dataset import STATE_FILE, _write_shard
@@ -317,12 +317,9 @@ def test_truncated_json_array_is_parsed_object_by_object(tmp_path):
 def test_data_build_resumes_without_duplicating_records(tmp_path):
     from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
     src = tmp_path / "conv.jsonl"
-    with open(src, "w") as f:
-        for i in range(7):
-            f.write(json.dumps({"conversations": [
-                {"from": "human", "value": f"Question number {i}: what is {i} plus {i}?"},
-                {"from": "gpt", "value": f"{i} plus {i} is {2 * i}."}]}) + "\n")
-        f.write(json.dumps({"conversations": [{"from": "gpt", "value": "starts with the assistant"}]}) + "\n")
+    write_conversations(src, [[("human", f"Question number {i}: what is {i} plus {i}?"),
+                               ("gpt", f"{i} plus {i} is {2 * i}.")] for i in range(7)]
+                        + [[("gpt", "starts with the assistant")]])
     fresh = build_dataset(str(tmp_path / "fresh"), DataConfig(None, str(src), max_records=6, shard_size=2),
                           progress=False)
     build_dataset(str(tmp_path / "resumed"), DataConfig(None, str(src), max_records=3, shard_size=2),

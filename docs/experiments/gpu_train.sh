@@ -11,7 +11,7 @@
 set -u
 STASH=$1 OUT=$2 EM=${3:-3.2} JM=${4:-3.2}
 DEVICE=${DEVICE:-cuda} BATCH=${BATCH:-64}  # (a dry run: DEVICE=cpu BATCH=2 EXTRA="--warmup 2 --eval-records 2" and minutes 0.2)
-export PYTHONUNBUFFERED=1 JAKIRO_NO_EXT=1 TQDM_DISABLE=1
+export PYTHONUNBUFFERED=1 JAKIRO_NO_EXT=1
 cd "$(dirname "$0")/../.."
 python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$STASH"/gguf-*.whl
 export PYTHONPATH=/tmp/site:$PWD

@@ -29,9 +29,7 @@ class FeatureModel(torch.nn.Module):
         from transformers import AutoConfig
         hf_config = AutoConfig.from_pretrained(folder)
         self.config = cfg = TargetConfig.from_hf(hf_config, os.path.basename(os.path.normpath(folder)))
-        if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < a < cfg.num_layers for a in aux_layers):
-            raise JakiroError(f"mid-layer features must come after increasing layer counts in "
-                              f"1..{cfg.num_layers - 1}, got {list(aux_layers)}")
+        cfg.check_aux_layers(aux_layers)
         self.aux_layers = tuple(aux_layers)
         state = _load_state_dict(folder)
         prefix = "model." if any(k.startswith("model.") for k in state) else ""

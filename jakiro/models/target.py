@@ -52,6 +52,13 @@ class TargetConfig:
     tie_word_embeddings: bool
     name: str = ""
 
+    def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
+        """Refuse mid-layer streams that are not after increasing counts of this model's layers."""
+        layers = self.num_layers
+        if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < a < layers for a in aux_layers):
+            raise JakiroError(f"mid-layer features must come after increasing layer counts in 1..{layers - 1} "
+                              f"(this target has {layers} decoder layers), got {list(aux_layers)}")
+
     @classmethod
     def from_hf(cls, hf_config, name: str = "") -> "TargetConfig":
         model_type = getattr(hf_config, "model_type", None)
@@ -309,12 +316,8 @@ class TargetModel:
         return self.lm_head(final if logits_rows is None else final[logits_rows]), features
 
     def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
-        if not aux_layers:  # every forward checks: the usual case returns at once
-            return
-        layers = self.config.num_layers
-        if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < a < layers for a in aux_layers):
-            raise JakiroError(f"mid-layer features must come after increasing layer counts in 1..{layers - 1} "
-                              f"(this target has {layers} decoder layers), got {list(aux_layers)}")
+        if aux_layers:  # every forward checks: the usual case returns at once
+            self.config.check_aux_layers(aux_layers)
 
     def _stack(self, run, x: torch.Tensor, aux_layers: tuple[int, ...]) -> torch.Tensor:
         """``run(x, a, b)`` (layers a..b-1 in torch) over the decoder layers, cut after each of

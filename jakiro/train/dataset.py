@@ -283,7 +283,8 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         prompt_filter = None  # the regenerated file holds admitted conversations only
     skipped: list[int] | None = [] if cfg.skip_bad and cfg.regenerate == "none" else None
     # the features a regeneration kept beside its file (here, or beside a --source that is one)
-    generated = _GeneratedFeatures(os.path.dirname(source)) if os.path.basename(source) == REGENERATED_FILE else None
+    generated = (_GeneratedFeatures(os.path.dirname(source))
+                 if os.path.basename(source) == REGENERATED_FILE and not cfg.tokens_only else None)
     records = _admitted(source, prompt_filter, skipped)
     for _ in range(cfg.first_record):  # conversations left to another dataset
         if next(records, None) is None:
@@ -312,7 +313,7 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         if tok is None:
             continue
         ids, mask = tok
-        feats = generated.get(item[0], ids, width) if generated is not None and not cfg.tokens_only else None
+        feats = generated.get(item[0], ids, width) if generated is not None else None
         if feats is None and not cfg.tokens_only:
             with torch.inference_mode():
                 cache = target.new_cache(len(ids))
@@ -453,6 +454,14 @@ class FeatureDataset:
     def width(self) -> int:
         """Feature values per token: the final feature, then each mid-layer stream."""
         return (1 + len(self.aux_layers)) * self.identity["hidden_size"]
+
+    def featurizer(self, target_dir: str, device: str | torch.device = "cpu"):
+        """What computes this dataset's features per batch: None where they are stored, else the
+        target's decoder stack (``FeatureModel``) on ``device``, with the streams the data names."""
+        if self.features is not None:
+            return None
+        from ..models.features import FeatureModel
+        return FeatureModel(target_dir, self.aux_layers, device)
 
     def record(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])

@@ -34,12 +34,8 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     ds.check_target(model)
     tokenizer = load_tokenizer(path)
     eval_idx = list(range(len(ds))) if all_records else heldout_split(ds.parts, eval_records)[1]
-    featurizer = None
-    if ds.features is None:  # a tokens-only dataset: the target computes the features
-        from ..models.features import FeatureModel
-        featurizer = FeatureModel(path, ds.aux_layers)
     # the held-out batches once for every draft (a tokens-only dataset's features cost a target forward)
-    batches = list(heldout_batches(ds, eval_idx, seq_len, "cpu", featurizer=featurizer))
+    batches = list(heldout_batches(ds, eval_idx, seq_len, "cpu", featurizer=ds.featurizer(path)))
     out = []
     for folder in drafts:
         draft = load_draft(folder, model)

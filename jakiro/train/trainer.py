@@ -202,10 +202,7 @@ class Trainer:
         target = TargetModel.from_folder(self.target_dir)
         self.ds.check_target(target)
         self.target_name = target.config.name
-        self.featurizer = None
-        if self.ds.features is None:  # a tokens-only dataset: the target computes the features per batch
-            from ..models.features import FeatureModel
-            self.featurizer = FeatureModel(self.target_dir, self.ds.aux_layers, self.device)
+        self.featurizer = self.ds.featurizer(self.target_dir, self.device)  # tokens-only data: per batch
         self.embed = target.embed.to(self.device)
         self.full_head = target.lm_head.weight.to(self.device)
         self.train_idx, self.eval_idx = heldout_split(self.ds.parts, cfg.eval_records)
