@@ -83,7 +83,8 @@ class Jakiro:
                 raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
             explicit = budget is not None or static is not None
             if budget is None and static is None:
-                record = load_tuning(draft, cache_dir, quantized=self.target.quantized_matrices > 0)
+                record = load_tuning(draft, cache_dir, quantized=self.target.quantized_matrices > 0,
+                                     int8_activations=self.target.input_bytes == 1)
                 if record:
                     tuned, source = record["best"], record["path"]
                 else:  # no record for this machine: the tree the draft's config recommends, if any
@@ -144,12 +145,15 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
          depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
          candidate_mode: str | None = None, parallel_decoding: bool | None = None,
          cache_dir: str | None = None, adaptive: bool = True, tree: str | None = None,
-         quantized: bool | None = None, prompt_vocab: bool = True) -> Jakiro:
+         quantized: bool | None = None, prompt_vocab: bool = True,
+         int8_activations: bool | None = None) -> Jakiro:
     """Load a target (default: SmolLM2-135M-Instruct) and set up ``method`` (default: the draft's
     method when a draft is given, else plain decoding). ``adaptive=False`` keeps the draft's
     fixed tree every cycle; ``tree="static:eagle1"`` (a preset or a JSON file of paths) drafts a
     static tree. ``quantized`` (default: on unless ``JAKIRO_QUANTIZED=0``): a target converted from a GGUF
-    file streams its quantized blocks in decoding steps and trees (``models.quant``).
+    file streams its quantized blocks in decoding steps and trees (``models.quant``);
+    ``int8_activations`` (default: off unless ``JAKIRO_INT8_ACTIVATIONS=1``): they take their inputs
+    as int8, as llama.cpp does (faster; the target's text is then that computation's).
     ``prompt_vocab=False``: a draft scores only its own vocabulary, not also the prompt's tokens."""
     from .models.hub import resolve_target
     from .models.target import TargetModel
@@ -161,7 +165,7 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     budget = tree_budget(depth, top_k, total_tokens)
     check_method_options(method, budget, tree)  # before the target loads: bad options fail fast
     path = resolve_target(target, cache_dir)
-    model = TargetModel.from_folder(path, quantized=quantized)
+    model = TargetModel.from_folder(path, quantized=quantized, int8_activations=int8_activations)
     jk = Jakiro(model, load_tokenizer(path), path)
     jk.add_method(method, draft, budget, candidate_mode, parallel_decoding,
                   cache_dir=cache_dir, adaptive=adaptive, tree=tree, prompt_vocab=prompt_vocab)

@@ -61,6 +61,10 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                               "Q4_1/Q8_0 blocks (the same weights, five times the bytes; also JAKIRO_QUANTIZED=0)")
     weights.add_argument("--quantized", action="store_true",
                          help="stream the GGUF blocks of a converted target (the default)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="the GGUF blocks take their inputs as int8, as llama.cpp does: every forward is "
+                        "cheaper, an extra tree token about half as dear; greedy text no longer matches the "
+                        "float32 weights token for token (all methods share it; also JAKIRO_INT8_ACTIVATIONS=1)")
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -218,6 +222,8 @@ def _setup_threads(args) -> None:
         os.environ["JAKIRO_QUANTIZED"] = "1"
     if getattr(args, "float32", False):
         os.environ["JAKIRO_QUANTIZED"] = "0"
+    if getattr(args, "int8_activations", False):
+        os.environ["JAKIRO_INT8_ACTIVATIONS"] = "1"
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
             raise JakiroError(f"--threads must be >= 1, got {args.threads}")

@@ -135,16 +135,14 @@ def test_int8_kernel_for_draft_blocks_stays_within_one_byte_rounding():
     """On CPUs with AVX-512 VNNI and no tiles, a draft's Q8_0 blocks (one byte per input) go
     through the int8 kernel: within the same rounding bound as the tile unit's one-byte inputs,
     a row's result independent of the rows with it, zero and non-finite blocks handled; the
-    target's blocks (three bytes) and Q4_1 blocks stay in the exact float32 kernel, and the int8
-    layout refuses three-byte inputs."""
+    target's blocks (three bytes) stay in the exact float32 kernel, and the int8 layout refuses
+    three-byte inputs."""
     out, cols = 48, 256
     raw, reference = quantized_matrix("q8_0", out, cols, seed=9)
     packed = quant.pack_blocks(raw, "q8_0", out, cols)
     layer = FastLinear(reference, quantized=("q8_0", packed), input_bytes=1)
     assert layer.tiles and layer.blocks.shape[0] == out // 16
     assert not FastLinear(reference, quantized=("q8_0", packed)).tiles
-    raw4, reference4 = quantized_matrix("q4_1", out, cols, seed=9)
-    assert not FastLinear(reference4, quantized=("q4_1", quant.pack_blocks(raw4, "q4_1", out, cols)), input_bytes=1).tiles
     x, expected, bound = one_byte_case(reference, cols)
     got = layer(x)
     assert bool(((got.double() - expected).abs() <= bound).all())
@@ -155,6 +153,31 @@ def test_int8_kernel_for_draft_blocks_stays_within_one_byte_rounding():
     assert bool(layer(x)[5].isnan().all()) and not bool(layer(x)[4].isnan().any())
     with pytest.raises(RuntimeError, match="1 byte"):
         smallgemm.quantized_linear(x, layer.blocks, out, 3)
+
+
+@needs_int8
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 11, SMALL_ROWS])
+def test_int8_kernel_for_q4_1_blocks_stays_within_one_byte_rounding(rows):
+    """Q4_1 blocks taken with one byte per input (int8 activations) go through the int8 kernel,
+    the unsigned 4-bit q against the signed input bytes, plus each block's offset m times the
+    input block's sum: within one-byte rounding of x @ W^T, a row's result independent of the
+    rows with it (for every register block and remainder), zero and non-finite blocks handled."""
+    out, cols = 48, 576
+    raw, reference = quantized_matrix("q4_1", out, cols, seed=4)
+    packed = quant.pack_blocks(raw, "q4_1", out, cols)
+    layer = FastLinear(reference, quantized=("q4_1", packed), input_bytes=1)
+    assert layer.tiles and layer.blocks.shape == (out // 16, cols // 32, 384)
+    x, expected, bound = one_byte_case(reference, cols)
+    x, expected, bound = (t.repeat(3, 1)[:rows] for t in (x, expected, bound))
+    got = layer(x)
+    assert bool(((got.double() - expected).abs() <= bound).all())
+    exact = FastLinear(reference, quantized=("q4_1", packed))(x)
+    assert not torch.equal(got, exact)  # the int8 path ran
+    for i in range(rows):
+        assert torch.equal(layer(x[i:i + 1]), got[i:i + 1])
+    if rows > 5:
+        x[5, 40] = float("nan")
+        assert bool(layer(x)[5].isnan().all()) and not bool(layer(x)[4].isnan().any())
 
 
 def test_tile_kernel_can_be_switched_off(tmp_path):
@@ -264,6 +287,42 @@ def test_prompts_run_the_tile_kernel_in_pieces(smol):
     torch.testing.assert_close(logits, ref_logits, atol=5e-4, rtol=1e-5)
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
     assert torch.equal(model(ids, model.new_cache(len(ids)))[1], ref_feats)  # by default a prompt runs oneDNN
+
+
+@pytest.mark.skipif(not (smallgemm.int8_enabled() or smallgemm.tiles_enabled()),
+                    reason="int8 activations need AVX-512 VNNI or AMX tiles")
+def test_int8_activations_target(smol, monkeypatch):
+    """``int8_activations``: every matrix takes its inputs as int8 blocks (prompts in pieces through
+    the same kernel); a token's logits are bitwise the same alone and in a tree (what keeps every
+    method's greedy text that of plain decoding); the logits stay near the float32 weights' (one
+    byte per input: within 2^-6 of each block's largest value); a target without GGUF blocks, or
+    a CPU without the kernels, is refused with a clear message."""
+    from jakiro.errors import JakiroError
+    from jakiro.models.target import TargetModel
+    model = TargetModel.from_folder(smol.target_path, int8_activations=True)
+    assert model.input_bytes == 1 and model.tile_matrices == 4 * model.config.num_layers + 1
+    ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome. Then list three emperors."))
+    cache = model.new_cache(len(ids) + 8, scratch=8)
+    logits, _ = model(ids, cache, chunked=True)
+    cache.commit(len(ids))
+    reference, _ = smol.target(ids, smol.target.new_cache(len(ids)), chunked=True)
+    cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
+    assert float(cosine.median()) > 0.98 and float(cosine.min()) > 0.5
+    assert float((logits.argmax(-1) == reference.argmax(-1)).float().mean()) >= 0.8
+    chain = torch.tensor([int(logits[-1].argmax()), 5, 6, 7])
+    positions = torch.arange(cache.length, cache.length + 4)
+    tree, _ = model(chain, cache, positions, torch.ones(4, 4, dtype=torch.bool).tril_())
+    for i in range(4):
+        single, _ = model(chain[i:i + 1], cache)
+        assert torch.equal(single[0], tree[i])
+        cache.commit(1)
+    with pytest.raises(JakiroError, match="converted from a GGUF file"):
+        TargetModel.from_folder(smol.target_path, quantized=False, int8_activations=True)
+    with smallgemm.int8_disabled(), smallgemm.tiles_disabled():
+        with pytest.raises(JakiroError, match="AVX-512 VNNI or AMX"):
+            TargetModel.from_folder(smol.target_path, int8_activations=True)
+    monkeypatch.setenv("JAKIRO_INT8_ACTIVATIONS", "1")
+    assert TargetModel.from_folder(smol.target_path).input_bytes == 1
 
 
 def test_q8_0_rounding_of_runtime_weights():

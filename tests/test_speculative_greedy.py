@@ -8,6 +8,7 @@ from helpers import TargetTreeProposer, spec_bench_prompts
 from jakiro.decoding.engine import Engine
 from jakiro.decoding.proposers import DraftProposer, PromptLookupProposer, TreeBudget
 from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
+from jakiro.models import smallgemm
 
 N_PROMPTS, N_TOKENS = 20, 128
 
@@ -87,6 +88,27 @@ def test_smollm2_speculative_greedy_equals_plain(smol):
     for engine in engines:
         for prompt, ref in zip(ids, reference):
             assert engine.generate(prompt, N_TOKENS).token_ids == ref, engine.method
+
+
+@pytest.mark.skipif(not (smallgemm.int8_enabled() or smallgemm.tiles_enabled()),
+                    reason="int8 activations need AVX-512 VNNI or AMX tiles")
+def test_smollm2_int8_activations_greedy_equals_plain(smol):
+    """With int8 activations the target is another computation, shared by every method: prompt
+    lookup, both shipped drafts and a hybrid (cost-aware, so plain steps and drafted cycles mix
+    within a request) still give plain decoding's tokens exactly."""
+    import jakiro
+    from jakiro.api import shipped_draft
+    jk = jakiro.load(int8_activations=True)
+    assert jk.target.input_bytes == 1 and jk.target.tile_matrices == 4 * jk.target.config.num_layers + 1
+    prompts = spec_bench_prompts(4)
+    ref_engine = jk.engine("ar")
+    ids = [ref_engine.encode(p) for p in prompts]
+    reference = [ref_engine.generate(i, N_TOKENS).token_ids for i in ids]
+    assert reference != [smol.engine("ar").generate(i, N_TOKENS).token_ids for i in ids]  # it is another computation
+    for method in ("pld", "jakiro", "eagle2", "eagle2+pld"):
+        engine = jk.add_method(method, shipped_draft(method.split("+")[0]) if method != "pld" else None)
+        for prompt, ref in zip(ids, reference):
+            assert engine.generate(prompt, N_TOKENS).token_ids == ref, method
 
 
 def test_draft_reads_only_the_prompts_last_window(tiny, monkeypatch):

@@ -240,6 +240,8 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
     settings["threads"] = torch.get_num_threads()
     if quant.enabled():  # (absent otherwise, as in runs recorded before the option existed)
         settings["quantized_weights"] = True
+    if quant.int8_activations():  # likewise
+        settings["int8_activations"] = True
     if cfg.repeats == 1:  # likewise
         del settings["repeats"]
     settings = json.loads(json.dumps(settings))  # as it reads back from run.json
@@ -308,7 +310,7 @@ def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
     categories = sorted({r["category"] for r in records["ar"]})
     ar_turns = {(r["question_id"], i): t for r in records["ar"] for i, t in enumerate(r["turns"])}
     result = {"config": {k: v for k, v in cfg.__dict__.items()}, "threads": torch.get_num_threads(),
-              "quantized_weights": quant.enabled(), "methods": {}}
+              "quantized_weights": quant.enabled(), "int8_activations": quant.int8_activations(), "methods": {}}
     for m, rows in records.items():
         per_cat = {}
         for cat in categories + ["all"]:

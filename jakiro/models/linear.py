@@ -41,7 +41,7 @@ class FastLinear:
         """``quantized``: (kind, blocks) of the same matrix in GGUF blocks (``models.quant``),
         streamed instead of the float32 weight for up to ``SMALL_ROWS`` rows; ``input_bytes``:
         how the tile kernel takes the inputs for them (``smallgemm.quantized_linear``: 3 keeps
-        float32 accuracy, 1 is for drafts)."""
+        float32 accuracy, 1 is int8: drafts, and targets with int8 activations)."""
         if input_bytes not in (1, 3):
             raise ValueError(f"input_bytes must be 1 or 3, not {input_bytes}")
         self.input_bytes = input_bytes
@@ -80,8 +80,8 @@ class FastLinear:
 
     @property
     def tiles(self) -> bool:
-        """Whether the blocks go through the AMX kernel, or a draft's through the int8 kernel
-        (``smallgemm.tile_layout``)."""
+        """Whether the blocks go through the AMX kernel, or with one-byte inputs through the int8
+        kernel (``smallgemm.tile_layout``)."""
         return self.quantized is not None and self.blocks is not self.quantized[1]
 
     @property

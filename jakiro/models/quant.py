@@ -10,6 +10,14 @@ The packed blocks are built once from the GGUF file named in the converted folde
 checked to dequantize bitwise to the float32 weight it stands for (a matrix that does not, or
 whose type the kernel does not know, stays float32), and cached next to the weights in
 ``QUANT_FILE``. On by default; ``JAKIRO_QUANTIZED=0`` (or ``--float32``) streams the float32 copy.
+
+Int8 activations (``JAKIRO_INT8_ACTIVATIONS=1`` or ``--int8-activations``; off by default): the
+kernel also takes each input row as one byte per block of 32 values, as llama.cpp's Q8
+activations, and multiplies bytes by bytes (``csrc/int8.cpp`` with AVX-512 VNNI, ``csrc/amx.cpp``
+with AMX tiles): plain decoding and every tree forward cost less, and an extra tree token costs
+about half as much, for a rounding of each input to 2^-7 of its block's largest value. The target
+is then that computation: plain decoding and every speculative method share it (and stay exactly
+equal to each other), but its greedy text is no longer the float32 weights' token for token.
 """
 
 from __future__ import annotations
@@ -32,6 +40,11 @@ _LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "att
 def enabled() -> bool:
     """Whether targets converted from GGUF files stream their blocks (the default)."""
     return os.environ.get("JAKIRO_QUANTIZED", "1") not in ("", "0")
+
+
+def int8_activations() -> bool:
+    """Whether targets take their inputs as int8 blocks (``JAKIRO_INT8_ACTIVATIONS=1``; off by default)."""
+    return os.environ.get("JAKIRO_INT8_ACTIVATIONS", "0") not in ("", "0")
 
 
 def record_source(folder: str, gguf_path: str) -> None:

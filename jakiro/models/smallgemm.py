@@ -25,6 +25,7 @@ HEADERS = (os.path.join(CSRC, "kernels.h"),)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _state: dict = {}
 Q8_0_BLOCK_BYTES = 40  # a Q8_0 block as the kernels take it: d and m (0) as float32, 32 q bytes
+Q4_1_BLOCK_BYTES = 24  # a Q4_1 block: d and m as float32, 16 bytes of nibbles
 
 
 def _build_dir() -> str:
@@ -112,13 +113,13 @@ def tiles_disabled():
 
 
 def status() -> str:
-    """'on', 'on, AMX tiles for GGUF blocks', 'on, int8 draft kernel' or 'off (why)': reported by
+    """'on', 'on, AMX tiles for GGUF blocks', 'on, int8 kernel (AVX-512 VNNI)' or 'off (why)': reported by
     ``jakiro bench-cost``."""
     if not available():
         return f"off ({_state.get('reason', 'unavailable')})"
     if tiles_enabled():
         return "on, AMX tiles for GGUF blocks"
-    return "on, int8 draft kernel (AVX-512 VNNI)" if int8_enabled() else "on"
+    return "on, int8 kernel (AVX-512 VNNI)" if int8_enabled() else "on"
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -147,7 +148,8 @@ def tiles_enabled() -> bool:
 
 
 def int8_enabled() -> bool:
-    """Whether a draft's Q8_0 blocks go through the int8 kernel (``csrc/int8.cpp``): on CPUs with
+    """Whether blocks taken as int8 inputs (a draft's Q8_0 blocks; a target's with int8 activations) go
+    through the int8 kernel (``csrc/int8.cpp``): on CPUs with
     AVX-512 VNNI and without AMX tiles (Zen 4 and later, Ice Lake and later), unless
     ``JAKIRO_INT8=0``."""
     if "int8" not in _state:
@@ -164,31 +166,33 @@ def int8_disabled():
 
 def tile_layout(blocks: torch.Tensor, input_bytes: int = 3) -> torch.Tensor:
     """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel runs here,
-    or, for a draft's Q8_0 blocks taken with one byte per input (``input_bytes`` 1), where the
-    int8 kernel does (out a multiple of 16 either way); else unchanged."""
+    or, for blocks taken with one byte per input (``input_bytes`` 1: drafts, targets with int8
+    activations), where the int8 kernel does (out a multiple of 16 either way); else unchanged."""
     if blocks.shape[0] % 16:
         return blocks
-    int8 = input_bytes == 1 and blocks.shape[2] == Q8_0_BLOCK_BYTES and int8_enabled()
+    int8 = input_bytes == 1 and blocks.shape[2] in (Q8_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES) and int8_enabled()
     if not (tiles_enabled() or int8):
         return blocks
     return torch.ops.jakiro_smallgemm.amx_pack(blocks)
 
 
 def decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask, num_heads, num_kv_heads, eps, scale,
-                   keep_after=()):
+                   keep_after=(), input_bytes=3):
     """The whole decoder stack for a few new tokens in one call (``csrc/decoder.cpp``); see
     ``TargetModel.forward``. ``keep_after``: also return the residual stream after these many
     layers ([n, 1 + A, d], the last stream first)."""
     return torch.ops.jakiro_smallgemm.decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask,
-                                                     num_heads, num_kv_heads, eps, scale, list(keep_after))
+                                                     num_heads, num_kv_heads, eps, scale, list(keep_after),
+                                                     input_bytes)
 
 
 def decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin, num_heads, num_kv_heads, eps, scale,
-                         keep_after=()):
+                         keep_after=(), input_bytes=3):
     """One new token for each of a batch of independent sequences through the whole decoder stack
     (``csrc/decoder.cpp``); see ``TargetModel.decode_batch`` and ``decoder_layers``."""
     return torch.ops.jakiro_smallgemm.decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin,
-                                                           num_heads, num_kv_heads, eps, scale, list(keep_after))
+                                                           num_heads, num_kv_heads, eps, scale, list(keep_after),
+                                                           input_bytes)
 
 
 def draft_attend(features, tokens, embed, fc, fc_bias, norm, qkv, o, kv, past, cos_table, sin_table, positions,

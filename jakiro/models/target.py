@@ -136,11 +136,13 @@ class TargetModel:
     """A Llama-family model with a tree-attention forward. Float32 on CPU by default."""
 
     def __init__(self, hf_config, state: dict[str, torch.Tensor], name: str = "",
-                 dtype: torch.dtype = torch.float32, quantized: dict | None = None):
+                 dtype: torch.dtype = torch.float32, quantized: dict | None = None, input_bytes: int = 3):
         """``quantized``: {state key: (kind, blocks)} of matrices also held in GGUF blocks
-        (``models.quant``), which the small-batch kernel streams instead of float32."""
+        (``models.quant``), which the small-batch kernel streams instead of float32; ``input_bytes``:
+        how those take their inputs (3: float32 accuracy; 1: int8 activations)."""
         self.hf_config = hf_config
         self.quantized_matrices = 0
+        self.input_bytes = input_bytes
         self.config = cfg = TargetConfig.from_hf(hf_config, name)
         self.dtype = dtype
         prefix = "model." if any(k.startswith("model.") for k in state) else ""
@@ -177,12 +179,17 @@ class TargetModel:
             qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
             qkv_b = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
                      if cfg.qkv_bias else None)
-            layer.qkv = FastLinear(qkv_w, qkv_b, quantized=blocks(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")))
-            layer.o = FastLinear(take(p + "self_attn.o_proj.weight"), quantized=blocks(p + "self_attn.o_proj.weight"))
+            ib = input_bytes
+            layer.qkv = FastLinear(qkv_w, qkv_b, quantized=blocks(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+                                   input_bytes=ib)
+            layer.o = FastLinear(take(p + "self_attn.o_proj.weight"), quantized=blocks(p + "self_attn.o_proj.weight"),
+                                 input_bytes=ib)
             layer.gate_up = FastLinear(torch.cat([take(p + "mlp.gate_proj.weight"),
                                                   take(p + "mlp.up_proj.weight")], 0),
-                                       quantized=blocks(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
-            layer.down = FastLinear(take(p + "mlp.down_proj.weight"), quantized=blocks(p + "mlp.down_proj.weight"))
+                                       quantized=blocks(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                                       input_bytes=ib)
+            layer.down = FastLinear(take(p + "mlp.down_proj.weight"), quantized=blocks(p + "mlp.down_proj.weight"),
+                                    input_bytes=ib)
             layer.q_norm = take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None
             layer.k_norm = take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None
             self.layers.append(layer)
@@ -192,7 +199,7 @@ class TargetModel:
         else:
             used.add("lm_head.weight")
             head, head_blocks = self.embed, blocks("embed_tokens.weight")
-        self.lm_head = FastLinear(head, keep_weight=True, quantized=head_blocks)
+        self.lm_head = FastLinear(head, keep_weight=True, quantized=head_blocks, input_bytes=input_bytes)
         unexpected = [k for k in state if k not in used and "rotary_emb" not in k]
         if unexpected:
             raise JakiroError(f"unexpected weights in target checkpoint: {', '.join(unexpected[:5])}"
@@ -206,7 +213,7 @@ class TargetModel:
     @property
     def tile_matrices(self) -> int:
         """Weight matrices (as the runtime stacks them: q/k/v and gate/up in one) streamed through
-        the AMX kernel."""
+        the AMX kernel, or with int8 activations through the int8 one."""
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return sum(lin.tiles for lin in linears + [self.lm_head])
 
@@ -228,9 +235,11 @@ class TargetModel:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_folder(cls, folder: str, dtype: torch.dtype = torch.float32,
-                    quantized: bool | None = None) -> "TargetModel":
+                    quantized: bool | None = None, int8_activations: bool | None = None) -> "TargetModel":
         """``quantized`` (default: on unless ``JAKIRO_QUANTIZED=0``): stream the GGUF blocks of a model
-        converted from a GGUF file, where the small-batch kernel is available."""
+        converted from a GGUF file, where the small-batch kernel is available. ``int8_activations``
+        (default: off unless ``JAKIRO_INT8_ACTIVATIONS=1``): those blocks take their inputs as int8
+        (``models.quant``); needs the blocks and a CPU with AVX-512 VNNI or AMX."""
         if not os.path.isdir(folder):
             raise JakiroError(f"model folder not found: {folder}")
         if not os.path.exists(os.path.join(folder, "config.json")):
@@ -247,7 +256,15 @@ class TargetModel:
         blocks = None
         if (quant.enabled() if quantized is None else quantized) and dtype == torch.float32 and smallgemm.available():
             blocks = quant.load_blocks(folder, state, hf_config, log=_log)
-        return cls(hf_config, state, name=os.path.basename(os.path.normpath(folder)), dtype=dtype, quantized=blocks)
+        int8 = quant.int8_activations() if int8_activations is None else int8_activations
+        if int8 and not blocks:
+            raise JakiroError("int8 activations need a target converted from a GGUF file, streamed as its blocks "
+                              f"({folder} has none here{', or --float32 is set' if not quant.enabled() else ''})")
+        if int8 and not (smallgemm.tiles_enabled() or smallgemm.int8_enabled()):
+            raise JakiroError("int8 activations need a CPU with AVX-512 VNNI or AMX tiles (and JAKIRO_INT8 / "
+                              "JAKIRO_AMX not set to 0); this one runs float32 inputs only")
+        return cls(hf_config, state, name=os.path.basename(os.path.normpath(folder)), dtype=dtype, quantized=blocks,
+                   input_bytes=1 if int8 else 3)
 
     def new_cache(self, max_len: int, scratch: int = 0) -> KVCache:
         """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the
@@ -285,7 +302,7 @@ class TargetModel:
         e.g. (3, 15)): the features also carry the residual stream after that many decoder layers,
         [n, (1 + len(aux_layers)) * d], the final feature first (drafts with mid-layer inputs).
 
-        ``chunked`` (prompts): with the AMX kernel, a causal run of up to ``CHUNKED_PREFILL_MAX``
+        ``chunked`` (prompts): with the AMX kernel (or int8 activations), a causal run of up to ``CHUNKED_PREFILL_MAX``
         tokens goes through the one-call stack in pieces of ``SMALL_ROWS`` instead of oneDNN over
         the float32 weights: faster, and each token gets bitwise the features that feeding the
         tokens one at a time gives (within float32 accuracy of the float32 weights, as every
@@ -308,7 +325,8 @@ class TargetModel:
                 pos = position_ids[s:s + SMALL_ROWS]
                 pieces.append(smallgemm.decoder_layers(x[s:s + SMALL_ROWS], *self._fused, cache.data, past + s,
                                                        self.cos[pos], self.sin[pos], tree_mask, cfg.num_heads,
-                                                       cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, aux_layers))
+                                                       cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, aux_layers,
+                                                       self.input_bytes))
             x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         else:
             x = self._layers(x, cache, position_ids, tree_mask, aux_layers)
@@ -384,7 +402,7 @@ class TargetModel:
             cache.check_room()
             x = smallgemm.decoder_layers_batch(x, *self._fused, cache.data, positions, self.cos[positions],
                                                self.sin[positions], cfg.num_heads, cfg.num_kv_heads,
-                                               cfg.rms_norm_eps, self.scale, aux_layers)
+                                               cfg.rms_norm_eps, self.scale, aux_layers, self.input_bytes)
         else:
             cos = self.cos[positions].unsqueeze(1)  # [B, 1, D]
             sin = self.sin[positions].unsqueeze(1)

@@ -500,7 +500,7 @@ std::vector<AttentionWeights> layer_weights(const std::vector<c10::optional<at::
 at::Tensor run_layers(at::Tensor x, const std::vector<c10::optional<at::Tensor>>& weights, Shape S,
                       const std::vector<AttentionWeights>& attn, const std::vector<LayerCache>& caches, int64_t past,
                       const at::Tensor& cos, const at::Tensor& sin, const std::vector<Visible>& vis, int64_t keys,
-                      at::IntArrayRef keep_after) {
+                      at::IntArrayRef keep_after, int64_t input_bytes) {
   const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv, A = static_cast<int64_t>(keep_after.size());
   for (int64_t j = 0; j < A; ++j)
     TORCH_CHECK(keep_after[j] >= 1 && keep_after[j] < static_cast<int64_t>(attn.size()) &&
@@ -516,8 +516,10 @@ at::Tensor run_layers(at::Tensor x, const std::vector<c10::optional<at::Tensor>>
   float* xp = x.data_ptr<float>();
   for (size_t l = 0; l < attn.size(); ++l) {
     const auto* w = &weights[l * SLOTS];
-    attention_block(xp, S, attn[l], caches[l], past, cos.data_ptr<float>(), sin.data_ptr<float>(), vis, scratch);
-    mlp_block(xp, S, w[1]->data_ptr<float>(), *w[5], *w[6], scratch.y, gu.data_ptr<float>(), act.data_ptr<float>());
+    attention_block(xp, S, attn[l], caches[l], past, cos.data_ptr<float>(), sin.data_ptr<float>(), vis, scratch,
+                    input_bytes);
+    mlp_block(xp, S, w[1]->data_ptr<float>(), *w[5], *w[6], scratch.y, gu.data_ptr<float>(), act.data_ptr<float>(),
+              input_bytes);
     for (int64_t j = 0; j < A; ++j)
       if (keep_after[j] == static_cast<int64_t>(l) + 1) streams.select(1, 1 + j).copy_(x);
   }
@@ -529,7 +531,7 @@ at::Tensor run_layers(at::Tensor x, const std::vector<c10::optional<at::Tensor>>
 at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
                           at::IntArrayRef out_features, const at::Tensor& kv, int64_t past, const at::Tensor& cos,
                           const at::Tensor& sin, const c10::optional<at::Tensor>& tree_mask, int64_t H, int64_t Hkv,
-                          double eps, double scale, at::IntArrayRef keep_after) {
+                          double eps, double scale, at::IntArrayRef keep_after, int64_t input_bytes) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers: x must be [n, d] float32");
   auto x = x_in.contiguous().clone();
   const int64_t n = x.size(0), d = x.size(1), layers = static_cast<int64_t>(weights.size()) / SLOTS;
@@ -541,7 +543,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optiona
   std::vector<LayerCache> caches;
   for (int64_t l = 0; l < layers; ++l) caches.push_back(layer_cache(kv, l));
   return run_layers(x, weights, S, attn, caches, past, cos, sin, visibility(tree_mask, n, past, false), past + n,
-                    keep_after);
+                    keep_after, input_bytes);
 }
 
 // One new token for each of B independent sequences (batched decoding): x [B, d]; sequence r's
@@ -551,7 +553,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optiona
 at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
                                 at::IntArrayRef out_features, const at::Tensor& kv, const at::Tensor& lengths,
                                 const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv, double eps,
-                                double scale, at::IntArrayRef keep_after) {
+                                double scale, at::IntArrayRef keep_after, int64_t input_bytes) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers_batch: x must be [B, d] float32");
   auto x = x_in.contiguous().clone();
   const int64_t n = x.size(0), d = x.size(1), layers = static_cast<int64_t>(weights.size()) / SLOTS;
@@ -581,7 +583,7 @@ at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::o
     c.at = at_pos;
     caches.push_back(c);
   }
-  return run_layers(x, weights, S, attn, caches, 0, cos, sin, vis, keys, keep_after);
+  return run_layers(x, weights, S, attn, caches, 0, cos, sin, vis, keys, keep_after, input_bytes);
 }
 
 // A draft's fusion layer and attention block (EAGLE's fc over [embedding, feature], then a
@@ -839,10 +841,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
 TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("decoder_layers(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, int past, Tensor cos, "
         "Tensor sin, Tensor? tree_mask, int num_heads, int num_kv_heads, float eps, float scale, "
-        "int[] keep_after=[]) -> Tensor",
+        "int[] keep_after=[], int input_bytes=3) -> Tensor",
         decoder_layers);
   m.def("decoder_layers_batch(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, Tensor lengths, "
-        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, int[] keep_after=[]) "
+        "Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, int[] keep_after=[], "
+        "int input_bytes=3) "
         "-> Tensor",
         decoder_layers_batch);
   m.def("draft_attend(Tensor features, Tensor tokens, Tensor embed, Tensor fc, Tensor? fc_bias, Tensor norm, "

@@ -44,7 +44,7 @@ void linear_rows(const float* x, int64_t M, int64_t K, const float* packed, int6
 
 // the same for a weight held as packed float32 or as GGUF blocks ([N][K/32][block], uint8);
 // input_bytes: how the AMX kernel takes x (3: exact to float32 rounding; 1: one byte per input
-// and block of 32, for drafts), ignored by the other kernels
+// and block of 32, for drafts and int8 activations, also for the int8 kernel), ignored by the others
 void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float* x, int64_t M, int64_t K, float* y,
                   int64_t input_bytes = 3);
 
@@ -60,9 +60,9 @@ bool amx_weight(const at::Tensor& w);
 void amx_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
                      int64_t input_bytes);
 
-// The int8 kernel for drafts (int8.cpp): whether this build has it (AVX-512 VNNI), and
-// y [M, N] = x [M, K] @ W^T for Q8_0 blocks in the AMX kernel's layout, x taken as one byte per
-// input (as the AMX kernel's ``input_bytes`` 1) on CPUs without tiles.
+// The int8 kernel (int8.cpp; drafts, and targets with int8 activations): whether this build has
+// it (AVX-512 VNNI), and y [M, N] = x [M, K] @ W^T for Q8_0 or Q4_1 blocks in the AMX kernel's
+// layout, x taken as one byte per input (as the AMX kernel's ``input_bytes`` 1) on CPUs without tiles.
 bool int8_usable();
 void int8_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y);
 

@@ -449,8 +449,8 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
     linear_rows(x, M, K, w.data_ptr<float>(), N, bias, y);
     return;
   }
-  if (amx_weight(w) && !amx_usable()) {  // tile layout without tiles: a draft's Q8_0 blocks, int8 inputs
-    TORCH_CHECK(input_bytes == 1, "without AMX tiles, blocks in the tile layout take inputs as 1 byte (drafts)");
+  if (amx_weight(w) && !amx_usable()) {  // tile layout without tiles: the int8 kernel (drafts, int8 activations)
+    TORCH_CHECK(input_bytes == 1, "without AMX tiles, blocks in the tile layout take inputs as 1 byte (int8)");
     int8_linear_rows(x, M, K, w, N, y);
   }
   else if (amx_weight(w))
@@ -469,7 +469,7 @@ bool valid_linear(const at::Tensor& w, int64_t N, int64_t K) {
   if (w.scalar_type() == at::kFloat) return w.size(2) == VL && w.size(1) == K && N <= w.size(0) * VL && N > (w.size(0) - 1) * VL;
   if (amx_weight(w))
     return w.size(0) * 16 == N && w.size(1) * QB == K &&
-           (amx_usable() || (int8_usable() && w.size(2) == amx_pack_bytes(false)));
+           (amx_usable() || int8_usable());
   return w.scalar_type() == at::kByte && w.size(0) == N && w.size(1) * QB == K &&
          (w.size(2) == block_bytes<true>() || w.size(2) == block_bytes<false>());
 }
