@@ -84,7 +84,7 @@ class Jakiro:
             explicit = budget is not None or static is not None
             if budget is None and static is None:
                 record = load_tuning(draft, cache_dir, quantized=self.target.quantized_matrices > 0,
-                                     int8_activations=self.target.input_bytes == 1)
+                                     int8_activations=self.target.int8_activations)
                 if record:
                     tuned, source = record["best"], record["path"]
                 else:  # no record for this machine: the tree the draft's config recommends, if any

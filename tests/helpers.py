@@ -3,9 +3,14 @@ is tested without downloading anything."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from jakiro.decoding.proposers import Proposer
+from jakiro.models import smallgemm
+
+needs_int8_activations = pytest.mark.skipif(not (smallgemm.int8_enabled() or smallgemm.tiles_enabled()),
+                                            reason="int8 activations need AVX-512 VNNI or AMX tiles")
 
 
 def write_conversations(path, conversations: list[list[tuple[str, str]]]) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from jakiro.models import quant, smallgemm
+from helpers import needs_int8_activations
 from jakiro.models.linear import SMALL_ROWS, FastLinear
 
 needs_kernel = pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")
@@ -289,8 +290,7 @@ def test_prompts_run_the_tile_kernel_in_pieces(smol):
     assert torch.equal(model(ids, model.new_cache(len(ids)))[1], ref_feats)  # by default a prompt runs oneDNN
 
 
-@pytest.mark.skipif(not (smallgemm.int8_enabled() or smallgemm.tiles_enabled()),
-                    reason="int8 activations need AVX-512 VNNI or AMX tiles")
+@needs_int8_activations
 def test_int8_activations_target(smol, monkeypatch):
     """``int8_activations``: every matrix takes its inputs as int8 blocks (prompts in pieces through
     the same kernel); a token's logits are bitwise the same alone and in a tree (what keeps every

@@ -4,11 +4,10 @@ token (20 Spec-Bench prompts x 128 tokens on a tiny target, and SmolLM2 with rea
 import pytest
 import torch
 
-from helpers import TargetTreeProposer, spec_bench_prompts
+from helpers import TargetTreeProposer, needs_int8_activations, spec_bench_prompts
 from jakiro.decoding.engine import Engine
 from jakiro.decoding.proposers import DraftProposer, PromptLookupProposer, TreeBudget
 from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
-from jakiro.models import smallgemm
 
 N_PROMPTS, N_TOKENS = 20, 128
 
@@ -90,8 +89,7 @@ def test_smollm2_speculative_greedy_equals_plain(smol):
             assert engine.generate(prompt, N_TOKENS).token_ids == ref, engine.method
 
 
-@pytest.mark.skipif(not (smallgemm.int8_enabled() or smallgemm.tiles_enabled()),
-                    reason="int8 activations need AVX-512 VNNI or AMX tiles")
+@needs_int8_activations
 def test_smollm2_int8_activations_greedy_equals_plain(smol):
     """With int8 activations the target is another computation, shared by every method: prompt
     lookup, both shipped drafts and a hybrid (cost-aware, so plain steps and drafted cycles mix

@@ -95,7 +95,7 @@ class _Tuning:
         self.jk, self.model, self.bar = jk, model, bar
         self.vocab = model.config.draft_vocab_size
         self.path = tuning_path(draft, cache, quantized=jk.target.quantized_matrices > 0,
-                                int8_activations=jk.target.input_bytes == 1)
+                                int8_activations=jk.target.int8_activations)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.result = {"draft": os.path.abspath(draft), "method": method, "threads": torch.get_num_threads(),
                        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False, "grid": []}

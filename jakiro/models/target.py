@@ -179,17 +179,16 @@ class TargetModel:
             qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
             qkv_b = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
                      if cfg.qkv_bias else None)
-            ib = input_bytes
             layer.qkv = FastLinear(qkv_w, qkv_b, quantized=blocks(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
-                                   input_bytes=ib)
+                                   input_bytes=input_bytes)
             layer.o = FastLinear(take(p + "self_attn.o_proj.weight"), quantized=blocks(p + "self_attn.o_proj.weight"),
-                                 input_bytes=ib)
+                                 input_bytes=input_bytes)
             layer.gate_up = FastLinear(torch.cat([take(p + "mlp.gate_proj.weight"),
                                                   take(p + "mlp.up_proj.weight")], 0),
                                        quantized=blocks(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                                       input_bytes=ib)
+                                       input_bytes=input_bytes)
             layer.down = FastLinear(take(p + "mlp.down_proj.weight"), quantized=blocks(p + "mlp.down_proj.weight"),
-                                    input_bytes=ib)
+                                    input_bytes=input_bytes)
             layer.q_norm = take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None
             layer.k_norm = take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None
             self.layers.append(layer)
@@ -209,6 +208,11 @@ class TargetModel:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._fused = self._fused_weights()
         self._chunk_prompts = self._fused is not None and self.tile_matrices > 0  # see CHUNKED_PREFILL_MAX
+
+    @property
+    def int8_activations(self) -> bool:
+        """Whether the quantized matrices take their inputs as int8 (``from_folder``)."""
+        return self.input_bytes == 1
 
     @property
     def tile_matrices(self) -> int:
@@ -254,12 +258,13 @@ class TargetModel:
         from .hub import _log
         state = _load_state_dict(folder)
         blocks = None
-        if (quant.enabled() if quantized is None else quantized) and dtype == torch.float32 and smallgemm.available():
+        stream_blocks = quant.enabled() if quantized is None else quantized
+        if stream_blocks and dtype == torch.float32 and smallgemm.available():
             blocks = quant.load_blocks(folder, state, hf_config, log=_log)
         int8 = quant.int8_activations() if int8_activations is None else int8_activations
         if int8 and not blocks:
             raise JakiroError("int8 activations need a target converted from a GGUF file, streamed as its blocks "
-                              f"({folder} has none here{', or --float32 is set' if not quant.enabled() else ''})")
+                              f"({folder} has none here{'' if stream_blocks else ', or the float32 weights are streamed'})")
         if int8 and not (smallgemm.tiles_enabled() or smallgemm.int8_enabled()):
             raise JakiroError("int8 activations need a CPU with AVX-512 VNNI or AMX tiles (and JAKIRO_INT8 / "
                               "JAKIRO_AMX not set to 0); this one runs float32 inputs only")
