@@ -325,6 +325,32 @@ def test_int8_activations_target(smol, monkeypatch):
     assert TargetModel.from_folder(smol.target_path).input_bytes == 1
 
 
+@needs_int8_activations
+def test_int8_activations_prompts_of_any_length_run_in_pieces(smol):
+    """With the int8 kernel a prompt longer than CHUNKED_PREFILL_MAX (the AMX kernel's limit) also
+    runs through the one-call stack in pieces: its last tokens get bitwise the features of feeding
+    them one at a time after the rest (and the last one its logits, as decoding prefills), and the
+    torch path (float32 weights) is not used."""
+    from jakiro.models.target import CHUNKED_PREFILL_MAX, TargetModel
+    model = TargetModel.from_folder(smol.target_path, int8_activations=True)
+    if smallgemm.tiles_enabled():
+        pytest.skip("with AMX tiles prompts run in pieces up to CHUNKED_PREFILL_MAX only")
+    ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome. " * 70))
+    tail = 24
+    assert len(ids) - tail > CHUNKED_PREFILL_MAX
+    logits, feats = model(ids, model.new_cache(len(ids)), logits_rows=slice(-1, None), chunked=True)
+    cache = model.new_cache(len(ids))
+    model(ids[:-tail], cache, chunked=True)
+    cache.commit(len(ids) - tail)
+    for i in range(len(ids) - tail, len(ids)):
+        one_logits, one_feats = model(ids[i:i + 1], cache)
+        cache.commit(1)
+        assert torch.equal(one_feats[0], feats[i])
+    assert torch.equal(one_logits[0], logits[0])
+    unchunked = model(ids, model.new_cache(len(ids)))[1]  # the torch path differs (float32 inputs)
+    assert not torch.equal(unchunked, feats)
+
+
 def test_q8_0_rounding_of_runtime_weights():
     weight = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
     weight[3, 32:64] = 0  # an all-zero block

@@ -25,7 +25,10 @@ ROPE_SLACK = 256  # positions beyond the context reserved for uncommitted draft-
 # With the AMX kernel, a prompt of up to this many tokens (``forward(chunked=True)``) goes through
 # the one-call stack in pieces of SMALL_ROWS rather than oneDNN over the float32 weights: SmolLM2 on two Xeon
 # cores, 37 / 100 / 300 / 900 tokens took 31.6 / 84.6 / 269 / 1028 ms that way against 69.1 / 125 /
-# 307 / 1014 ms (the float32 stack and the portable kernel lose to oneDNN from a few dozen tokens)
+# 307 / 1014 ms (the float32 stack and the portable kernel lose to oneDNN from a few dozen tokens).
+# With the int8 kernel (int8 activations on AVX-512 VNNI CPUs without tiles) prompts of any length go
+# in pieces: on two Zen 4 EPYC cores 128 / 512 / 800 / 1200 / 2000 / 3000 tokens took 82 / 430 / 718 /
+# 1338 / 3144 / 6003 ms that way against 172 / 737 / 1205 / 2081 / 4161 / 7015 ms on oneDNN
 CHUNKED_PREFILL_MAX = 512
 
 
@@ -207,7 +210,9 @@ class TargetModel:
         self.cos, self.sin = rope_tables(hf_config, cfg.head_dim, cfg.max_context + ROPE_SLACK)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._fused = self._fused_weights()
-        self._chunk_prompts = self._fused is not None and self.tile_matrices > 0  # see CHUNKED_PREFILL_MAX
+        # the longest prompt that runs in pieces (see CHUNKED_PREFILL_MAX); 0: none does
+        self._chunk_prompts = (0 if self._fused is None or not self.tile_matrices else
+                               CHUNKED_PREFILL_MAX if smallgemm.tiles_enabled() else cfg.max_context)
 
     @property
     def int8_activations(self) -> bool:
@@ -307,8 +312,8 @@ class TargetModel:
         e.g. (3, 15)): the features also carry the residual stream after that many decoder layers,
         [n, (1 + len(aux_layers)) * d], the final feature first (drafts with mid-layer inputs).
 
-        ``chunked`` (prompts): with the AMX kernel (or int8 activations), a causal run of up to ``CHUNKED_PREFILL_MAX``
-        tokens goes through the one-call stack in pieces of ``SMALL_ROWS`` instead of oneDNN over
+        ``chunked`` (prompts): with the AMX kernel a causal run of up to ``CHUNKED_PREFILL_MAX``
+        tokens (with the int8 kernel, of any length) goes through the one-call stack in pieces of ``SMALL_ROWS`` instead of oneDNN over
         the float32 weights: faster, and each token gets bitwise the features that feeding the
         tokens one at a time gives (within float32 accuracy of the float32 weights, as every
         quantized forward).
@@ -323,7 +328,7 @@ class TargetModel:
         self.check_aux_layers(aux_layers)
         x = self.embed[input_ids]  # [n, d]
         if self._fused is not None and (n <= SMALL_ROWS or (
-                chunked and self._chunk_prompts and tree_mask is None and n <= CHUNKED_PREFILL_MAX)):
+                chunked and tree_mask is None and n <= self._chunk_prompts)):
             cache.check_room(n)
             pieces = []  # a longer causal run (a prompt) in pieces of SMALL_ROWS, each after those before it
             for s in range(0, n, SMALL_ROWS):

@@ -75,13 +75,17 @@ void prepare(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, flo
     }
 }
 
-// rows [0, RR) of u against one group of 16 columns (all blocks); y[r][0..16)
+// rows [0, RR) of u against one group of 16 columns (all blocks); y[r][0..16). The loops over rows
+// are unrolled so that the RR accumulators stay in registers: left to the compiler, for RR = 8 it
+// kept them on the stack and unrolled the blocks instead (on two Zen 4 cores a tree forward of 8
+// tokens took 11.7-13.9 ms that way, 9.4-10.8 ms unrolled; the Q8_0 head over 8 rows 3.3 -> 0.9-2.1 ms)
 template <bool Q4, int RR>
 void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t K, const uint8_t* w, float* y,
                 int64_t ldy, int64_t cols) {
   constexpr int64_t BB = jakiro::amx_pack_bytes(Q4);
   const int64_t nb = K / QB;
   __m512 acc[RR];
+#pragma GCC unroll 8
   for (int r = 0; r < RR; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i ones = _mm512_set1_epi8(1);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -97,6 +101,7 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t
         q[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
       }
       // q in [0, 15] is the unsigned operand, the signed input bytes X the other: sum(q X) at once
+#pragma GCC unroll 8
       for (int r = 0; r < RR; ++r) {
         const int32_t* ur = reinterpret_cast<const int32_t*>(u + r * K + b * QB);
         __m512i s = _mm512_setzero_si512();
@@ -113,6 +118,7 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t
     __m512i qsum = _mm512_setzero_si512();
     for (int i = 0; i < 8; ++i) qsum = _mm512_dpbusd_epi32(qsum, ones, q[i]);
     const __m512i offset = _mm512_slli_epi32(qsum, 7);  // 128 sum(q)
+#pragma GCC unroll 8
     for (int r = 0; r < RR; ++r) {
       const int32_t* ur = reinterpret_cast<const int32_t*>(u + r * K + b * QB);
       __m512i s = _mm512_setzero_si512();
@@ -121,6 +127,7 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t
       acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), acc[r]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < RR; ++r) {
     if (cols >= G) {
       _mm512_storeu_ps(y + r * ldy, acc[r]);
