@@ -45,6 +45,12 @@ def test_chain_tree_is_a_single_path():
     assert bool(tree.tree_mask.equal(torch.ones(4, 4, dtype=torch.bool).tril()))
     root_only = chain_tree(5, [])
     assert root_only.retrieve_paths.tolist() == [[0]]
+    # the same as building it node by node, for lists and tensors, again and again (structure is reused)
+    for drafted in ([6, 7, 8], torch.tensor([6, 7, 8]), [9, 10, 11]):
+        built = build_tree(torch.tensor([5, *list(map(int, drafted))]), torch.tensor([-1, 0, 1, 2]))
+        again = chain_tree(5, drafted)
+        for field in ("tokens", "parents", "depths", "tree_mask", "retrieve_paths"):
+            assert torch.equal(getattr(again, field), getattr(built, field)), field
 
 
 def test_select_nodes_keeps_best_and_is_ancestor_closed():
