@@ -268,8 +268,10 @@ def cmd_generate(args) -> int:
         print(json.dumps(out))
     else:
         m = result.metrics
+        plain = (f", {m.plain_steps} of them plain steps where speculating would not pay"
+                 if m.plain_steps and result.method != "ar" else "")
         line = (f"\n\n[{result.method}] {m.new_tokens} tokens in {m.total_s:.2f} s: "
-                f"{m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f} ({m.target_forwards} target forwards)")
+                f"{m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f} ({m.target_forwards} target forwards{plain})")
         if "speedup" in out:
             line += (f"; plain decoding {out['ar_tokens_per_s']:.1f} tokens/s -> "
                      f"speedup {out['speedup']:.2f}x")

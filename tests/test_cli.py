@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -79,6 +80,22 @@ def test_generate_with_a_static_tree_and_with_lookup_branches():
     assert out["same_as_ar"] is True and out["tree"]["adaptive"] is False
     assert out["tree"]["static"][:4] == [[0], [1], [2], [3]] and len(out["tree"]["static"]) == 25
     assert out["tree"]["prompt_vocab"] is True
+
+
+def test_generate_text_summary_line_counts_forwards_and_plain_steps():
+    """Without --json the answer streams, then one line: tokens, tokens/s, τ, the target forwards
+    (and how many were plain steps, when cost-aware drafting took any), the speedup."""
+    res = run_cli("generate", "--prompt", "Name three primary colors.", "--method", "eagle2", "--compare",
+                  "--max-new-tokens", "16", "--threads", "1")
+    assert res.returncode == 0, res.stderr
+    line = res.stdout.strip().splitlines()[-1]
+    found = re.fullmatch(r"\[eagle2\] (\d+) tokens in [\d.]+ s: [\d.]+ tokens/s, tau ([\d.]+) \((\d+) target "
+                         r"forwards(?:, (\d+) of them plain steps where speculating would not pay)?\); "
+                         r"plain decoding [\d.]+ tokens/s -> speedup [\d.]+x", line)
+    assert found, line
+    tokens, tau, forwards = int(found[1]), float(found[2]), int(found[3])
+    assert 0 < forwards < tokens <= 16 and tau == pytest.approx((tokens - 1) / forwards, abs=0.006)
+    assert found[4] is None or 0 < int(found[4]) <= forwards
 
 
 def test_generate_with_the_draft_vocabulary_alone():

@@ -126,7 +126,7 @@ def test_cross_entropy_weight_scales_only_the_token_term(tiny_setup):
     from jakiro.train.config import P_WEIGHT
     ce_at_default = (default - feature_only) / P_WEIGHT
     torch.testing.assert_close(heavy, feature_only + ce_at_default, rtol=1e-4, atol=1e-4)
-    assert float(ce_at_default) > 0
+    assert ce_at_default.item() > 0
 
 
 def test_negative_cross_entropy_weight_is_refused(tmp_path):
