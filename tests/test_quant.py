@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from jakiro.models import quant, smallgemm
 from helpers import needs_int8_activations
+from jakiro.models import quant, smallgemm
 from jakiro.models.linear import SMALL_ROWS, FastLinear
 
 needs_kernel = pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")

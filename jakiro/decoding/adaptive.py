@@ -374,14 +374,6 @@ class AdaptiveProposer(Proposer):
         pending = self.inner.pending_rows if self.inner else 0
         reach = self.reach_probability()
         chain = self.lookup_reach(chain_length) if chain_length else []
-        priced: dict[tuple[int, bool], float] = {}  # a cycle verifying n tokens (after a proposal or not)
-
-        def cycle(n: int, after_proposal: bool) -> float:
-            key = (n, after_proposal)
-            if key not in priced:
-                priced[key] = c.cycle(n, n_ctx, drafted=after_proposal)
-            return priced[key]
-
         best_depth, best_rate = 0, 0.0
         for d in range(0, self.max_depth + 1):
             # a path to depth d verifies at least d nodes
@@ -390,7 +382,7 @@ class AdaptiveProposer(Proposer):
             for kept in range(chain_length + 1):  # the chain's first `kept` tokens go with it
                 q = chain[:kept] + [0.0] * max(0, d - kept)
                 expected = 1.0 + sum(1 - (1 - qi) * (1 - ri) for qi, ri in zip(q[:d], reach)) + sum(q[d:])
-                rate = expected / (cycle(1 + kept + nodes, d > 0) + spent)
+                rate = expected / (c.cycle(1 + kept + nodes, n_ctx, drafted=d > 0) + spent)
                 if d == 0:
                     rate *= 1 + DRAFT_MARGIN
                 if rate > best_rate:

@@ -211,8 +211,8 @@ class TargetModel:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._fused = self._fused_weights()
         # the longest prompt that runs in pieces (see CHUNKED_PREFILL_MAX); 0: none does
-        self._chunk_prompts = (0 if self._fused is None or not self.tile_matrices else
-                               CHUNKED_PREFILL_MAX if smallgemm.tiles_enabled() else cfg.max_context)
+        self._longest_chunked_prompt = (0 if self._fused is None or not self.tile_matrices else
+                                        CHUNKED_PREFILL_MAX if smallgemm.tiles_enabled() else cfg.max_context)
 
     @property
     def int8_activations(self) -> bool:
@@ -313,8 +313,8 @@ class TargetModel:
         [n, (1 + len(aux_layers)) * d], the final feature first (drafts with mid-layer inputs).
 
         ``chunked`` (prompts): with the AMX kernel a causal run of up to ``CHUNKED_PREFILL_MAX``
-        tokens (with the int8 kernel, of any length) goes through the one-call stack in pieces of ``SMALL_ROWS`` instead of oneDNN over
-        the float32 weights: faster, and each token gets bitwise the features that feeding the
+        tokens (with the int8 kernel, of any length) goes through the one-call stack in pieces of
+        ``SMALL_ROWS`` instead of oneDNN over the float32 weights: faster, and each token gets bitwise the features that feeding the
         tokens one at a time gives (within float32 accuracy of the float32 weights, as every
         quantized forward).
         """
@@ -328,7 +328,7 @@ class TargetModel:
         self.check_aux_layers(aux_layers)
         x = self.embed[input_ids]  # [n, d]
         if self._fused is not None and (n <= SMALL_ROWS or (
-                chunked and tree_mask is None and n <= self._chunk_prompts)):
+                chunked and tree_mask is None and n <= self._longest_chunked_prompt)):
             cache.check_room(n)
             pieces = []  # a longer causal run (a prompt) in pieces of SMALL_ROWS, each after those before it
             for s in range(0, n, SMALL_ROWS):
