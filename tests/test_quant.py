@@ -386,3 +386,23 @@ def test_draft_on_a_quantized_target_streams_blocks(smol):
     # rows with the int8 kernel: its top two 0.08 apart)
     torch.testing.assert_close(outs[1], outs[0], atol=0.5, rtol=0.02)
     assert int((outs[1].argmax(-1) == outs[0].argmax(-1)).sum()) >= 5
+
+
+@needs_kernel
+def test_a_request_head_lays_out_only_its_new_rows(smol):
+    """A request's head (the draft vocabulary plus its prompt's tokens) extends the vocabulary
+    head's kernel layout by its own rows: bitwise the layout of all its rows built at once, on a
+    quantized target (GGUF blocks) and on a float32 one (packed weight), scoring as those rows."""
+    from jakiro.api import shipped_draft
+    from jakiro.draft import load_draft
+    from jakiro.draft.model import DraftHead
+    from jakiro.models.target import TargetModel
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    for target, tol in ((smol.target, 0.5), (TargetModel.from_folder(smol.target_path, quantized=False), 1e-3)):
+        draft = load_draft(shipped_draft("eagle2"), target)
+        head = draft.head(2048, extra=torch.tensor([40000, 40001, 45000, 7]))
+        assert head.size > 2048 and head.size % 16 == 0 and head._base is draft.head(2048)
+        whole = DraftHead(head.ids, draft._lm_head, draft._head_blocks)
+        assert torch.equal(head.kernel_weight, whole.kernel_weight)
+        with torch.inference_mode():
+            torch.testing.assert_close(head(x), x @ target.lm_head.weight[head.ids].T, atol=tol, rtol=0.02)

@@ -258,33 +258,40 @@ def test_fused_experts_call_refuses_a_router_of_the_wrong_shape(tmp_path):
     ("eagle2", 3, {}), ("eagle2", 1, {}),
     ("jakiro", 1, {"parallel_decoding": False}),  # a decoupled chain: the router's first expert only
     ("jakiro", 1, {}),  # a chain with the contrastive branch last
+    ("jakiro", 1, {"num_experts": 4, "experts_per_token": 2}),  # its experts: the router's first two of four
     ("jakiro", 3, {}),  # decoupled children of both experts, 2 + 1
     ("jakiro", 4, {"num_experts": 4, "experts_per_token": 2}),  # each row its own two of four experts
     ("jakiro", 5, {"num_experts": 3, "experts_per_token": 3, "parallel_decoding": False}),
 ])
 def test_trees_with_and_without_the_fused_kernel_agree(tmp_path, monkeypatch, method, top_k, overrides):
     """The fused calls (one expert, the head and its top-k; or every activated expert and its
-    share of the children) only change how a step is computed: the same trees as the
-    per-operation path (the draft's ``heads``, then its head and top-k)."""
+    share of the children; or a whole chain, contrastive branch included, in one call) only
+    change how a step is computed: the same trees as the per-operation path (the draft's
+    ``heads``, then its head and top-k, and ``attend`` step by step)."""
     from jakiro.draft import DraftModel
     from jakiro.models import smallgemm
     if not smallgemm.available():
         pytest.skip("the small-batch kernels are not built here")
     target, draft = _tiny_jakiro(tmp_path, method=method, **overrides)
     prompt = torch.arange(2, 22)
-    calls = []
-    fused_experts = DraftModel.experts_topk
+    calls, chains = [], []
+    fused_experts, fused_chain = DraftModel.experts_topk, DraftModel.chain
     monkeypatch.setattr(DraftModel, "experts_topk", lambda self, *a: calls.append(a[1]) or fused_experts(self, *a))
+    monkeypatch.setattr(DraftModel, "chain", lambda self, *a: chains.append(fused_chain(self, *a)) or chains[-1])
     trees = []
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(DraftModel, "mlp_head_topk", lambda self, *a: None)
             monkeypatch.setattr(DraftModel, "experts_topk", lambda self, *a: None)
+            monkeypatch.setattr(DraftModel, "chain", lambda self, *a: None)
         proposer = DraftProposer(draft, TreeBudget(depth=3, top_k=top_k, total_tokens=6))
         trees.append(proposer.propose(_start(proposer, target, prompt)))
     assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
     assert trees[0].parents.tolist() == trees[1].parents.tolist()
-    torch.testing.assert_close(trees[0].scores, trees[1].scores, atol=1e-5, rtol=1e-5)
-    assert bool(calls) == (method == "jakiro")  # the experts' call ran where it applies (decoupled children)
+    # (the chain's call takes the experts' outputs as differences of residuals: a rounding more)
+    torch.testing.assert_close(trees[0].scores, trees[1].scores, atol=1e-4, rtol=1e-5)
+    # the experts' call ran where it applies (decoupled children), the chain's for a chain (top-k 1)
+    assert bool(calls) == (method == "jakiro" and top_k > 1)
+    assert [c is not None for c in chains] == [True] * (top_k == 1)
     if method == "jakiro" and top_k == 3 and not overrides:
         assert calls[0] == [2, 1]

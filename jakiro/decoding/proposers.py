@@ -294,9 +294,18 @@ class DraftProposer(Proposer):
         step needs no mask and the tree no reranking (scores only fall along a chain: the best
         ``total_tokens`` candidates are its first ones). ``r``: the residual row of the root.
         Same tree, a fraction of the bookkeeping (and of the expert work: ``_expand``)."""
-        tokens: list[int] = []
-        scores: list[float] = [0.0]
-        normal_layers = depth - 1 if self.parallel and depth >= 2 else depth
+        contrastive = self.parallel and depth >= 2
+        normal_layers = depth - 1 if contrastive else depth
+        fused = (self.draft.chain(r[0], normal_layers, contrastive, self.cache, self.head)
+                 if self.mode in ("single", "decoupled") else None)
+        if fused is not None:  # the whole chain in one kernel call
+            tokens, scores = fused[0].tolist(), [0.0]
+            for lp in fused[1].tolist():
+                scores.append(scores[-1] + lp)
+            self.draft_forwards += normal_layers - 1
+            return self._chain(context, tokens, scores)
+        tokens = []
+        scores = [0.0]
         for layer in range(normal_layers):
             last = layer == normal_layers - 1
             tok, logp, carried, out = self._expand(r, 1, need_out=last and self.parallel and depth >= 2)
@@ -313,6 +322,10 @@ class DraftProposer(Proposer):
             self.cache.commit(1)
             self.draft_forwards += 1
         self.cache.truncate(base)
+        return self._chain(context, tokens, scores)
+
+    def _chain(self, context: list[int], tokens: list[int], scores: list[float]) -> Tree:
+        """The chain tree of a proposal's first ``total_tokens`` tokens, with their scores."""
         n = min(len(tokens), self.budget.total_tokens)
         tree = chain_tree(context[-1], tokens[:n])
         tree.scores = torch.tensor(scores[:n + 1])

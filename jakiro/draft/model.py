@@ -30,21 +30,66 @@ INPUT_BYTES = 1
 class DraftHead:
     """The rows of the target's LM head that a draft scores: their target token ids [V'] in row
     order (a draft's top-k indices map to tokens through them), their float32 weight (training,
-    and inference without the kernels) and, built on first use, their inference layer."""
+    and inference without the kernels) and their GGUF blocks as the small-batch kernels read
+    them. Each is built on first use: a request's head (the draft vocabulary plus its prompt's
+    tokens) extends the vocabulary head's laid-out blocks by its new rows instead of gathering
+    and laying out every row again (25 ms at a request's first proposal, now about 1)."""
 
-    def __init__(self, ids: torch.Tensor, weight: torch.Tensor, blocks: tuple[str, torch.Tensor] | None):
-        self.ids, self.weight, self._blocks = ids, weight, blocks
+    def __init__(self, ids: torch.Tensor, lm_head: torch.Tensor, head_blocks: tuple[str, torch.Tensor] | None,
+                 weight: torch.Tensor | None = None, base: "DraftHead | None" = None):
+        """``lm_head``: the target's head [V, d] (``ids`` index it), ``head_blocks`` its blocks;
+        ``weight``: the rows' float32 weight where already at hand; ``base``: a head whose rows
+        are this one's first rows."""
+        self.ids, self._lm_head, self._head_blocks, self._base = ids, lm_head, head_blocks, base
+        self._weight = weight
         self._layer: FastLinear | None = None
+        self._kernel: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return int(self.ids.shape[0])
 
     @property
+    def weight(self) -> torch.Tensor:
+        if self._weight is None:
+            self._weight = self._lm_head[self.ids].contiguous()
+        return self._weight
+
+    @property
+    def kernel_weight(self) -> torch.Tensor | None:
+        """The rows as the small-batch kernel reads them (see ``FastLinear``): their GGUF blocks
+        laid out for it, or their float32 weight packed; None without the kernel."""
+        if self._kernel is None and smallgemm.available() and self._lm_head.dtype == torch.float32:
+            base = self._base
+            start = base.size if base is not None and base.size % 16 == 0 and base.kernel_weight is not None else 0
+            # the layouts keep groups of 16 rows whole: a head extends its base's by its own rows
+            new = self._lay_out(self.ids[start:])
+            self._kernel = torch.cat((base.kernel_weight, new)) if start else new
+        return self._kernel
+
+    def _lay_out(self, ids: torch.Tensor) -> torch.Tensor:
+        if self._head_blocks is not None:
+            return smallgemm.tile_layout(self._head_blocks[1][ids].contiguous(), INPUT_BYTES)
+        return smallgemm.pack(self.weight if self._base is None else self._lm_head[ids].contiguous())
+
+    @property
     def layer(self) -> FastLinear:
+        """The rows as a ``FastLinear`` (for more rows than the small-batch kernel takes, or
+        without it)."""
         if self._layer is None:
-            self._layer = FastLinear(self.weight, quantized=self._blocks, input_bytes=INPUT_BYTES)
+            self._layer = FastLinear(self.weight, quantized=self._head_blocks and
+                                     (self._head_blocks[0], self._head_blocks[1][self.ids].contiguous()),
+                                     input_bytes=INPUT_BYTES)
         return self._layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, d] -> logits over the rows [n, V']."""
+        kernel = self.kernel_weight if x.shape[0] <= SMALL_ROWS else None
+        if kernel is None:
+            return self.layer(x)
+        if self._head_blocks is None:
+            return smallgemm.linear(x, kernel, self.size, None)
+        return smallgemm.quantized_linear(x, kernel, self.size, INPUT_BYTES)
 
 
 @dataclass
@@ -214,16 +259,12 @@ class DraftModel(nn.Module):
         them too). The plain vocabulary heads are built once and kept."""
         base = self._heads.get(limit)
         if base is None:
-            base = self._heads[limit] = self._rows(self._vocab_order()[:limit], self.head_weight[:limit])
+            base = self._heads[limit] = DraftHead(self._vocab_order()[:limit], self._lm_head, self._head_blocks,
+                                                  weight=self.head_weight[:limit])
         if extra is None:
             return base
         ids = self.head_ids(limit, extra)
-        return base if len(ids) == base.size else self._rows(ids, self._lm_head[ids])
-
-    def _rows(self, ids: torch.Tensor, weight: torch.Tensor) -> DraftHead:
-        """A head over the target tokens ``ids`` whose LM-head rows are ``weight``."""
-        blocks = (self._head_blocks[0], self._head_blocks[1][ids].contiguous()) if self._head_blocks is not None else None
-        return DraftHead(ids, weight.contiguous(), blocks)
+        return base if len(ids) == base.size else DraftHead(ids, self._lm_head, self._head_blocks, base=base)
 
     def _head_of(self, head: "DraftHead | int | None") -> DraftHead:
         return head if isinstance(head, DraftHead) else self.head(head)
@@ -235,7 +276,7 @@ class DraftModel(nn.Module):
             weight = head.weight if isinstance(head, DraftHead) else self.head_weight[:head]
             return F.linear(features, weight)
         flat = features.reshape(-1, features.shape[-1])
-        return self._head_of(head).layer(flat).view(*features.shape[:-1], -1)
+        return self._head_of(head)(flat).view(*features.shape[:-1], -1)
 
     def mlp_head_topk(self, r: torch.Tensor, k: int, head: "DraftHead | int | None" = None):
         """EAGLE-2's MLP then the head's top-k, for residual rows r [n, d], in one call of the
@@ -247,12 +288,11 @@ class DraftModel(nn.Module):
         gate_up = self._fast_layer("gate_up0", (self.gate_up[0],)).kernel_weight
         down = self._fast_layer("down0", (self.down[0],)).kernel_weight
         rows = self._head_of(head)
-        head = rows.layer
-        if gate_up is None or down is None or head.kernel_weight is None:
+        if gate_up is None or down is None or rows.kernel_weight is None:
             return None
-        vocab = head.out_features
+        vocab = rows.size
         feats, ids, logp = smallgemm.draft_mlp_head(r, self.post_norm.detach(), gate_up, down, c.intermediate_size,
-                                                    head.kernel_weight, vocab, min(k, vocab), c.rms_norm_eps,
+                                                    rows.kernel_weight, vocab, min(k, vocab), c.rms_norm_eps,
                                                     INPUT_BYTES)
         return feats, rows.ids[ids], logp
 
@@ -271,11 +311,11 @@ class DraftModel(nn.Module):
         experts = [(self._fast_layer(f"gate_up{e}", (self.gate_up[e],)).kernel_weight,
                     self._fast_layer(f"down{e}", (self.down[e],)).kernel_weight) for e in range(c.num_experts)]
         rows = self._head_of(head)
-        if any(w is None for pair in experts for w in pair) or rows.layer.kernel_weight is None:
+        if any(w is None for pair in experts for w in pair) or rows.kernel_weight is None:
             return None
         feats, ids, logp = smallgemm.draft_experts_topk(
             r, self.post_norm.detach(), [g for g, _ in experts], [d for _, d in experts], c.intermediate_size,
-            rows.layer.kernel_weight, rows.layer.out_features, self.router.weight.detach(), quotas, c.rms_norm_eps,
+            rows.kernel_weight, rows.size, self.router.weight.detach(), quotas, c.rms_norm_eps,
             INPUT_BYTES)
         return feats, rows.ids[ids], logp
 
@@ -399,11 +439,8 @@ class DraftModel(nn.Module):
                 or not smallgemm.available()):
             return None
         c = self.config
-        layers = (self._fast_layer("fc", (self.fc.weight,), self.fc.bias),
-                  self._fast_layer("qkv", (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
-                  self._fast_layer("o", (self.o_proj.weight,)))
-        if (any(layer.kernel_weight is None for layer in layers) or self.input_norm.dtype != torch.float32
-                or self.embed.dtype != torch.float32 or not self.embed.is_contiguous()):
+        layers = self._attend_layers()
+        if layers is None:
             return None
         cache.check_room(T)
         r = smallgemm.draft_attend(features[0], token_ids[0], self.embed, layers[0].kernel_weight, layers[0].bias,
@@ -412,6 +449,46 @@ class DraftModel(nn.Module):
                                    c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.head_dim ** -0.5,
                                    INPUT_BYTES)
         return r.unsqueeze(0)
+
+    def _attend_layers(self) -> tuple[FastLinear, FastLinear, FastLinear] | None:
+        """The fusion layer, qkv and o as the fused attention step takes them (None where it cannot)."""
+        layers = (self._fast_layer("fc", (self.fc.weight,), self.fc.bias),
+                  self._fast_layer("qkv", (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
+                  self._fast_layer("o", (self.o_proj.weight,)))
+        if (any(layer.kernel_weight is None for layer in layers) or self.input_norm.dtype != torch.float32
+                or self.embed.dtype != torch.float32 or not self.embed.is_contiguous()):
+            return None
+        return layers
+
+    def chain(self, r: torch.Tensor, steps: int, contrastive: bool, cache: KVCache,
+              head: "DraftHead | int | None" = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A chain proposal (top-k 1) from the root's residual r [1, d] in one call of the kernels:
+        ``steps`` draft steps, each keeping the head's best row for EAGLE-2's MLP or for the
+        expert the router ranks first (as ``mlp_head_topk`` and ``experts_topk`` with k = 1, then
+        ``attend``), the last adding the contrastive branch's best row when ``contrastive``. The
+        chain's keys and values are written into ``cache`` after its length, not committed.
+        Returns (target token ids [steps (+ 1)], log-probs), or None where the kernels do not
+        apply (training, no kernel)."""
+        c = self.config
+        if (self.training or torch.is_grad_enabled() or not smallgemm.available()
+                or self.post_norm.dtype != torch.float32 or (contrastive and not c.parallel_decoding)):
+            return None
+        layers = self._attend_layers()
+        mlps = [(self._fast_layer(f"gate_up{e}", (self.gate_up[e],)).kernel_weight,
+                 self._fast_layer(f"down{e}", (self.down[e],)).kernel_weight) for e in range(c.num_experts)]
+        rows = self._head_of(head)
+        if layers is None or any(w is None for pair in mlps for w in pair) or rows.kernel_weight is None:
+            return None
+        cache.check_room(steps - 1)
+        jakiro = c.method == "jakiro"
+        ids, logp = smallgemm.draft_chain(
+            r.reshape(1, -1), steps, self.embed, layers[0].kernel_weight, layers[0].bias, self.input_norm.detach(),
+            layers[1].kernel_weight, layers[2].kernel_weight, cache.data, cache.length, self.rope_cos, self.rope_sin,
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim ** -0.5, self.post_norm.detach(),
+            [g for g, _ in mlps], [d for _, d in mlps], c.intermediate_size,
+            self.router.weight.detach() if jakiro else None, self.con_router.weight.detach() if contrastive else None,
+            rows.kernel_weight, rows.ids, c.rms_norm_eps, INPUT_BYTES)
+        return rows.ids[ids], logp
 
     def heads(self, r: torch.Tensor) -> DraftOutput:
         """The per-row half of ``forward``: experts (or the dense MLP), router, blend and

@@ -211,6 +211,17 @@ def draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps, input_byt
     return torch.ops.jakiro_smallgemm.draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps, input_bytes)
 
 
+def draft_chain(r, steps, embed, fc, fc_bias, in_norm, qkv, o, kv, past, cos_table, sin_table, num_heads,
+                num_kv_heads, scale, post_norm, gate_ups, downs, inter, router, con_router, head, head_ids, eps,
+                input_bytes=3):
+    """A draft's whole chain proposal (its MLP or first-ranked expert, the head's best row, the
+    next step's attention, ``steps`` times; with ``con_router`` also the contrastive branch's
+    token) in one call (``csrc/decoder.cpp``); see ``DraftModel.chain``."""
+    return torch.ops.jakiro_smallgemm.draft_chain(r, steps, embed, fc, fc_bias, in_norm, qkv, o, kv, past, cos_table,
+                                                  sin_table, num_heads, num_kv_heads, scale, post_norm, gate_ups,
+                                                  downs, inter, router, con_router, head, head_ids, eps, input_bytes)
+
+
 def draft_experts_topk(r, norm, gate_ups, downs, inter, head, vocab, router, quotas, eps, input_bytes=3):
     """A decoupled Jakiro draft step's router, experts, head and per-expert top-k in one call
     (``csrc/decoder.cpp``); see ``DraftModel.experts_topk``."""

@@ -836,6 +836,104 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
   return {feats, ids, logp};
 }
 
+// The experts of rows r [1, d] in router order: the router's logits over rmsnorm(r) (``m``, written),
+// largest first, ties to the lower index (as ``draft_experts_topk`` ranks them)
+void rank_experts(const float* r, const float* norm, const float* router, int64_t N, int64_t d, float eps, float* m,
+                  int64_t* order) {
+  rmsnorm(r, norm, m, d, eps);
+  std::vector<float> z(N);
+  for (int64_t e = 0; e < N; ++e) {
+    z[e] = dot(router + e * d, m, d);
+    order[e] = e;
+  }
+  std::stable_sort(order, order + N, [&](int64_t a, int64_t b) { return z[a] > z[b]; });
+}
+
+// A draft's whole chain proposal (top-k 1: each step keeps only its best child) from the root's
+// residual r [1, d] (after the catch-up's attention): ``steps`` times the MLP (EAGLE-2; no
+// ``router``) or the expert the router ranks first (decoupled Jakiro), the best of the head's V
+// rows (``head_ids``: their target token ids), and, but after the last step, the fusion and
+// attention of the next step for that token and feature at position ``past`` + step, whose keys
+// and values go to the cache there (the caller truncates them). With ``con_router`` the last step
+// also runs the expert ranked second and adds the contrastive branch's best row, r + c_A E_A -
+// c_B E_B (c: the softmax of con_router over rmsnorm(r) at those two experts), as one more token.
+// Returns (head rows [steps (+ 1)], their log-probabilities): the same as ``draft_mlp_head`` or
+// ``draft_experts_topk`` with k = 1 and ``draft_attend`` step by step, in one call.
+std::tuple<at::Tensor, at::Tensor> draft_chain(
+    const at::Tensor& r_in, int64_t steps, const at::Tensor& embed, const at::Tensor& fc,
+    const c10::optional<at::Tensor>& fc_bias, const at::Tensor& in_norm, const at::Tensor& qkv, const at::Tensor& o,
+    const at::Tensor& kv, int64_t past, const at::Tensor& cos_table, const at::Tensor& sin_table, int64_t H,
+    int64_t Hkv, double scale, const at::Tensor& post_norm, const std::vector<at::Tensor>& gate_ups,
+    const std::vector<at::Tensor>& downs, int64_t inter, const c10::optional<at::Tensor>& router,
+    const c10::optional<at::Tensor>& con_router, const at::Tensor& head, const at::Tensor& head_ids, double eps,
+    int64_t input_bytes) {
+  const int64_t d = post_norm.numel(), N = static_cast<int64_t>(gate_ups.size());
+  TORCH_CHECK(r_in.numel() == d && r_in.scalar_type() == at::kFloat, "draft_chain: r must be [1, d] float32");
+  TORCH_CHECK(steps >= 1, "draft_chain: at least one step");
+  TORCH_CHECK(post_norm.scalar_type() == at::kFloat && post_norm.is_contiguous(), "draft_chain: norm must be [d] float32");
+  TORCH_CHECK(head_ids.dim() == 1 && head_ids.scalar_type() == at::kLong && head_ids.is_contiguous(),
+              "draft_chain: head_ids must be [V] int64");
+  const int64_t V = head_ids.size(0);
+  TORCH_CHECK(N >= 1 && static_cast<int64_t>(downs.size()) == N, "draft_chain: one gate/up and down per expert");
+  TORCH_CHECK(jakiro::valid_linear(head, V, d), "draft_chain: a head the kernels cannot take");
+  for (int64_t e = 0; e < N; ++e)
+    TORCH_CHECK(jakiro::valid_linear(gate_ups[e], 2 * inter, d) && jakiro::valid_linear(downs[e], d, inter),
+                "draft_chain: an expert the kernels cannot take");
+  const bool con = con_router.has_value();
+  auto checked_router = [&](const c10::optional<at::Tensor>& t) -> const float* {
+    if (!t) return nullptr;
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == N && t->size(1) == d && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous(),
+                "draft_chain: a router must be [experts, d] float32");
+    return t->data_ptr<float>();
+  };
+  const float* rw = checked_router(router);
+  const float* cw = checked_router(con_router);
+  TORCH_CHECK(!con || (rw && N >= 2), "draft_chain: the contrastive branch needs a router and two experts");
+  auto opts = r_in.options();
+  auto ids = at::empty({steps + con}, opts.dtype(at::kLong));
+  auto logp = at::empty({steps + con}, opts);
+  int64_t* id = ids.data_ptr<int64_t>();
+  float* lp = logp.data_ptr<float>();
+  at::Tensor r = r_in.reshape({1, d}).contiguous();
+  auto out = at::empty({1, d}, opts), logits = at::empty({1, V}, opts);
+  std::vector<float> m(d);
+  std::vector<int64_t> order(N, 0), best(1);
+  auto tok = at::empty({1}, opts.dtype(at::kLong)), pos = at::empty({1}, opts.dtype(at::kLong));
+  auto best_row = [&](const float* x, int64_t j) {
+    jakiro::apply_linear(head, V, nullptr, x, 1, d, logits.data_ptr<float>(), input_bytes);
+    top_k_logp(logits.data_ptr<float>(), V, 1, best.data(), id + j, lp + j);
+  };
+  for (int64_t s = 0; s < steps; ++s) {
+    const float* rp = r.data_ptr<float>();
+    if (rw) rank_experts(rp, post_norm.data_ptr<float>(), rw, N, d, static_cast<float>(eps), m.data(), order.data());
+    float* op = out.data_ptr<float>();
+    std::memcpy(op, rp, d * sizeof(float));
+    mlp_rows(op, 1, d, inter, eps, post_norm.data_ptr<float>(), gate_ups[order[0]], downs[order[0]], input_bytes, opts);
+    best_row(op, s);
+    if (s + 1 < steps) {
+      tok.data_ptr<int64_t>()[0] = head_ids.data_ptr<int64_t>()[id[s]];
+      pos.data_ptr<int64_t>()[0] = past + s;
+      r = draft_attend(out, tok, embed, fc, fc_bias, in_norm, qkv, o, kv, past + s, cos_table, sin_table, pos,
+                       c10::nullopt, H, Hkv, eps, scale, input_bytes);
+    } else if (con) {
+      auto second = r.clone();
+      float* sp = second.data_ptr<float>();
+      mlp_rows(sp, 1, d, inter, eps, post_norm.data_ptr<float>(), gate_ups[order[1]], downs[order[1]], input_bytes,
+               opts);
+      std::vector<float> z(N);
+      float top = -INFINITY, sum = 0.f;
+      for (int64_t e = 0; e < N; ++e) top = std::max(top, z[e] = dot(cw + e * d, m.data(), d));
+      for (int64_t e = 0; e < N; ++e) sum += std::exp(z[e] - top);
+      const float ca = std::exp(z[order[0]] - top) / sum, cb = std::exp(z[order[1]] - top) / sum;
+      std::vector<float> c(d);
+      for (int64_t i = 0; i < d; ++i) c[i] = rp[i] + ca * (op[i] - rp[i]) - cb * (sp[i] - rp[i]);
+      best_row(c.data(), steps);
+    }
+  }
+  return {ids, logp};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
@@ -855,6 +953,11 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("draft_mlp_head(Tensor r, Tensor norm, Tensor gate_up, Tensor down, int inter, Tensor head, int V, int k, "
         "float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
         draft_mlp_head);
+  m.def("draft_chain(Tensor r, int steps, Tensor embed, Tensor fc, Tensor? fc_bias, Tensor in_norm, Tensor qkv, "
+        "Tensor o, Tensor kv, int past, Tensor cos_table, Tensor sin_table, int num_heads, int num_kv_heads, "
+        "float scale, Tensor post_norm, Tensor[] gate_ups, Tensor[] downs, int inter, Tensor? router, "
+        "Tensor? con_router, Tensor head, Tensor head_ids, float eps, int input_bytes=3) -> (Tensor, Tensor)",
+        draft_chain);
   m.def("draft_experts_topk(Tensor r, Tensor norm, Tensor[] gate_ups, Tensor[] downs, int inter, Tensor head, int V, "
         "Tensor router, int[] quotas, float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
         draft_experts_topk);
