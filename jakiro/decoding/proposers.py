@@ -258,7 +258,20 @@ class DraftProposer(Proposer):
         depth = self.budget.depth if depth is None else min(depth, self.budget.depth)
         if self._new_request:  # the first proposal of a request: its context is the prompt
             self._head, self._new_request = self.prompt_head(context), False
-        r = self._catch_up()
+        feats, toks = self._catch_up_rows()
+        if self.static is None and self.budget.top_k == 1:
+            contrastive = self.parallel and depth >= 2
+            steps = depth - 1 if contrastive else depth
+            fused = (self.draft.chain(feats, toks, steps, contrastive, self.cache, self.head)
+                     if self.mode in ("single", "decoupled") else None)
+            if fused is not None:  # the catch-up and the whole chain in one kernel call
+                self.cache.commit(feats.shape[0])
+                self.draft_forwards += steps
+                scores = [0.0]
+                for lp in fused[1].tolist():
+                    scores.append(scores[-1] + lp)
+                return self._chain(context, fused[0].tolist(), scores)
+        r = self._attend_rows(feats, toks)
         base = self.cache.length  # = position of the root token
         if self.static is not None:
             return self._propose_static(context, self.draft.heads(r), base)
@@ -270,6 +283,12 @@ class DraftProposer(Proposer):
         """One draft forward over the (feature, next token) pairs committed since the last cycle,
         kept in the draft's cache; returns the residual stream at the newest pair [1, 1, d] (the
         caller runs the heads on that row only)."""
+        return self._attend_rows(*self._catch_up_rows())
+
+    def _catch_up_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's input features [m, d] and next tokens [m] of the pairs committed since the
+        last cycle that the catch-up attends; more than ``SMALL_ROWS`` of them (a prompt, a long
+        run of plain steps) go to the cache here without attention, but for the newest."""
         rows = self.pending_rows  # of a prompt, its last PROMPT_WINDOW positions
         feats = torch.cat([f for f, _ in self._pending])[-rows:]
         toks = torch.cat([t for _, t in self._pending])[-rows:]
@@ -280,6 +299,10 @@ class DraftProposer(Proposer):
             base = self.cache.length
             self.draft.fill_cache(feats[:-1], toks[:-1], torch.arange(base, base + m - 1), self.cache)
             feats, toks = feats[-1:], toks[-1:]
+        return feats, toks
+
+    def _attend_rows(self, feats: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
+        """The catch-up's draft forward over ``_catch_up_rows``: the residual at the newest."""
         base, m = self.cache.length, feats.shape[0]
         r = self.draft.attend(feats.unsqueeze(0), toks.unsqueeze(0), torch.arange(base, base + m), self.cache)
         self.cache.commit(m)
@@ -293,26 +316,19 @@ class DraftProposer(Proposer):
         node is the previous layer's only child and sees every scratch slot before it, so a draft
         step needs no mask and the tree no reranking (scores only fall along a chain: the best
         ``total_tokens`` candidates are its first ones). ``r``: the residual row of the root.
-        Same tree, a fraction of the bookkeeping (and of the expert work: ``_expand``)."""
+        Same tree, a fraction of the bookkeeping (and of the expert work: ``_expand``).
+        (``propose`` runs it in one kernel call where it can: ``DraftModel.chain``.)"""
         contrastive = self.parallel and depth >= 2
         normal_layers = depth - 1 if contrastive else depth
-        fused = (self.draft.chain(r[0], normal_layers, contrastive, self.cache, self.head)
-                 if self.mode in ("single", "decoupled") else None)
-        if fused is not None:  # the whole chain in one kernel call
-            tokens, scores = fused[0].tolist(), [0.0]
-            for lp in fused[1].tolist():
-                scores.append(scores[-1] + lp)
-            self.draft_forwards += normal_layers - 1
-            return self._chain(context, tokens, scores)
-        tokens = []
+        tokens: list[int] = []
         scores = [0.0]
         for layer in range(normal_layers):
             last = layer == normal_layers - 1
-            tok, logp, carried, out = self._expand(r, 1, need_out=last and self.parallel and depth >= 2)
+            tok, logp, carried, out = self._expand(r, 1, need_out=last and contrastive)
             tokens.append(int(tok))
             scores.append(scores[-1] + float(logp))
             if last:
-                if self.parallel and depth >= 2:
+                if contrastive:
                     con_tok, con_logp = self._contrastive_children(out, torch.zeros(1, dtype=torch.long), 1)
                     tokens.append(int(con_tok))
                     scores.append(scores[-1] + float(con_logp))

@@ -460,17 +460,19 @@ class DraftModel(nn.Module):
             return None
         return layers
 
-    def chain(self, r: torch.Tensor, steps: int, contrastive: bool, cache: KVCache,
+    def chain(self, features: torch.Tensor, token_ids: torch.Tensor, steps: int, contrastive: bool, cache: KVCache,
               head: "DraftHead | int | None" = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A chain proposal (top-k 1) from the root's residual r [1, d] in one call of the kernels:
+        """A chain proposal (top-k 1) in one call of the kernels: ``attend`` over the rows
+        committed since the last proposal (input features [m, d] as ``input_features`` gives
+        them, the tokens after them [m]) at the cache's next positions, then from the newest row
         ``steps`` draft steps, each keeping the head's best row for EAGLE-2's MLP or for the
         expert the router ranks first (as ``mlp_head_topk`` and ``experts_topk`` with k = 1, then
         ``attend``), the last adding the contrastive branch's best row when ``contrastive``. The
-        chain's keys and values are written into ``cache`` after its length, not committed.
-        Returns (target token ids [steps (+ 1)], log-probs), or None where the kernels do not
-        apply (training, no kernel)."""
+        m rows' keys and values are written into ``cache`` for the caller to commit; the chain's
+        after them, left uncommitted. Returns (target token ids [steps (+ 1)], log-probs), or
+        None where the kernels do not apply (training, no kernel, more rows than they take)."""
         c = self.config
-        if (self.training or torch.is_grad_enabled() or not smallgemm.available()
+        if (self.training or torch.is_grad_enabled() or not smallgemm.available() or features.shape[0] > SMALL_ROWS
                 or self.post_norm.dtype != torch.float32 or (contrastive and not c.parallel_decoding)):
             return None
         layers = self._attend_layers()
@@ -479,10 +481,10 @@ class DraftModel(nn.Module):
         rows = self._head_of(head)
         if layers is None or any(w is None for pair in mlps for w in pair) or rows.kernel_weight is None:
             return None
-        cache.check_room(steps - 1)
+        cache.check_room(features.shape[0] + steps - 1)
         jakiro = c.method == "jakiro"
         ids, logp = smallgemm.draft_chain(
-            r.reshape(1, -1), steps, self.embed, layers[0].kernel_weight, layers[0].bias, self.input_norm.detach(),
+            features, token_ids, steps, self.embed, layers[0].kernel_weight, layers[0].bias, self.input_norm.detach(),
             layers[1].kernel_weight, layers[2].kernel_weight, cache.data, cache.length, self.rope_cos, self.rope_sin,
             c.num_attention_heads, c.num_key_value_heads, c.head_dim ** -0.5, self.post_norm.detach(),
             [g for g, _ in mlps], [d for _, d in mlps], c.intermediate_size,

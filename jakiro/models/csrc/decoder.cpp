@@ -849,18 +849,22 @@ void rank_experts(const float* r, const float* norm, const float* router, int64_
   std::stable_sort(order, order + N, [&](int64_t a, int64_t b) { return z[a] > z[b]; });
 }
 
-// A draft's whole chain proposal (top-k 1: each step keeps only its best child) from the root's
-// residual r [1, d] (after the catch-up's attention): ``steps`` times the MLP (EAGLE-2; no
+// A draft's whole chain proposal (top-k 1: each step keeps only its best child) in one call. First
+// the catch-up: the fusion and attention of the rows committed since the last proposal
+// (``features`` [m, d], the draft's input features, and ``tokens`` [m], the tokens after them) at
+// positions ``past`` .. ``past`` + m - 1, their keys and values written to the cache (the caller
+// commits them). Then, from the newest row's residual, ``steps`` times the MLP (EAGLE-2; no
 // ``router``) or the expert the router ranks first (decoupled Jakiro), the best of the head's V
 // rows (``head_ids``: their target token ids), and, but after the last step, the fusion and
-// attention of the next step for that token and feature at position ``past`` + step, whose keys
-// and values go to the cache there (the caller truncates them). With ``con_router`` the last step
-// also runs the expert ranked second and adds the contrastive branch's best row, r + c_A E_A -
-// c_B E_B (c: the softmax of con_router over rmsnorm(r) at those two experts), as one more token.
-// Returns (head rows [steps (+ 1)], their log-probabilities): the same as ``draft_mlp_head`` or
-// ``draft_experts_topk`` with k = 1 and ``draft_attend`` step by step, in one call.
+// attention of the next step for that token and feature at the next position, whose keys and
+// values go to the cache after the catch-up's (the caller leaves them uncommitted). With
+// ``con_router`` the last step also runs the expert ranked second and adds the contrastive
+// branch's best row, r + c_A E_A - c_B E_B (c: the softmax of con_router over rmsnorm(r) at those
+// two experts), as one more token. Returns (head rows [steps (+ 1)], their log-probabilities):
+// what ``draft_attend``, then ``draft_mlp_head`` or ``draft_experts_topk`` with k = 1 and
+// ``draft_attend`` step by step give, without a return to the caller between them.
 std::tuple<at::Tensor, at::Tensor> draft_chain(
-    const at::Tensor& r_in, int64_t steps, const at::Tensor& embed, const at::Tensor& fc,
+    const at::Tensor& features, const at::Tensor& tokens, int64_t steps, const at::Tensor& embed, const at::Tensor& fc,
     const c10::optional<at::Tensor>& fc_bias, const at::Tensor& in_norm, const at::Tensor& qkv, const at::Tensor& o,
     const at::Tensor& kv, int64_t past, const at::Tensor& cos_table, const at::Tensor& sin_table, int64_t H,
     int64_t Hkv, double scale, const at::Tensor& post_norm, const std::vector<at::Tensor>& gate_ups,
@@ -868,7 +872,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(
     const c10::optional<at::Tensor>& con_router, const at::Tensor& head, const at::Tensor& head_ids, double eps,
     int64_t input_bytes) {
   const int64_t d = post_norm.numel(), N = static_cast<int64_t>(gate_ups.size());
-  TORCH_CHECK(r_in.numel() == d && r_in.scalar_type() == at::kFloat, "draft_chain: r must be [1, d] float32");
+  TORCH_CHECK(features.dim() == 2 && features.size(0) >= 1, "draft_chain: features must be [m, d], m >= 1");
   TORCH_CHECK(steps >= 1, "draft_chain: at least one step");
   TORCH_CHECK(post_norm.scalar_type() == at::kFloat && post_norm.is_contiguous(), "draft_chain: norm must be [d] float32");
   TORCH_CHECK(head_ids.dim() == 1 && head_ids.scalar_type() == at::kLong && head_ids.is_contiguous(),
@@ -890,12 +894,18 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(
   const float* rw = checked_router(router);
   const float* cw = checked_router(con_router);
   TORCH_CHECK(!con || (rw && N >= 2), "draft_chain: the contrastive branch needs a router and two experts");
-  auto opts = r_in.options();
+  auto opts = features.options();
+  const int64_t m_rows = features.size(0);
+  check_cache(kv, 1, Hkv, past, m_rows + steps - 1);
+  at::Tensor r = draft_attend(features, tokens, embed, fc, fc_bias, in_norm, qkv, o, kv, past, cos_table, sin_table,
+                              at::arange(past, past + m_rows, opts.dtype(at::kLong)), c10::nullopt, H, Hkv, eps,
+                              scale, input_bytes)
+                     .slice(0, m_rows - 1, m_rows);
+  past += m_rows;
   auto ids = at::empty({steps + con}, opts.dtype(at::kLong));
   auto logp = at::empty({steps + con}, opts);
   int64_t* id = ids.data_ptr<int64_t>();
   float* lp = logp.data_ptr<float>();
-  at::Tensor r = r_in.reshape({1, d}).contiguous();
   auto out = at::empty({1, d}, opts), logits = at::empty({1, V}, opts);
   std::vector<float> m(d);
   std::vector<int64_t> order(N, 0), best(1);
@@ -953,7 +963,7 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("draft_mlp_head(Tensor r, Tensor norm, Tensor gate_up, Tensor down, int inter, Tensor head, int V, int k, "
         "float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
         draft_mlp_head);
-  m.def("draft_chain(Tensor r, int steps, Tensor embed, Tensor fc, Tensor? fc_bias, Tensor in_norm, Tensor qkv, "
+  m.def("draft_chain(Tensor features, Tensor tokens, int steps, Tensor embed, Tensor fc, Tensor? fc_bias, Tensor in_norm, Tensor qkv, "
         "Tensor o, Tensor kv, int past, Tensor cos_table, Tensor sin_table, int num_heads, int num_kv_heads, "
         "float scale, Tensor post_norm, Tensor[] gate_ups, Tensor[] downs, int inter, Tensor? router, "
         "Tensor? con_router, Tensor head, Tensor head_ids, float eps, int input_bytes=3) -> (Tensor, Tensor)",
