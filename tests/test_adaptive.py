@@ -154,6 +154,63 @@ def test_cost_differences_are_paired_within_each_round(monkeypatch):
     assert c.cycle_ms == pytest.approx(adaptive.CYCLE_SHARE * c.target_ms[1])
 
 
+def test_cost_rounds_are_kept_per_setup_and_shared_by_later_loads(monkeypatch, tmp_path):
+    """Each load adds its rounds to its setup's store and takes the medians over every kept round,
+    so one load's slow moment no longer decides the table; once ``STORED_ENOUGH`` are kept a load
+    measures only ``FEW_ROUNDS``, and only the newest ``STORE_ROUNDS`` are kept. A store that is
+    unreadable, or measured other sizes, is measured afresh and rewritten."""
+    import json
+    from jakiro.decoding import adaptive
+
+    now = {"pace": 1.0}
+
+    class Cache:
+        def __init__(self, length):
+            self.length = length
+
+    class Target:
+        class config:
+            max_context = 2048
+
+    monkeypatch.setattr(adaptive, "prefilled_cache", lambda target, context, scratch: Cache(context))
+    monkeypatch.setattr(adaptive, "forward_ms", lambda target, cache, repeats, sizes, before=None, warmup=2, primed=0:
+                        {n: now["pace"] * (1.0 + 0.1 * n) for n in sizes})
+    store = tmp_path / "costs" / "setup.json"
+
+    def load(pace, tree_tokens=4):
+        now["pace"] = pace
+        table = adaptive.measure_costs(Target(), None, max_tree_tokens=tree_tokens, store=str(store))
+        return table.target_ms[1], len(json.loads(store.read_text())["rounds"])
+
+    assert load(1.0) == (pytest.approx(1.1), adaptive.MEASURE_ROUNDS)
+    assert load(10.0) == (pytest.approx((1.1 + 11.0) / 2), 2 * adaptive.MEASURE_ROUNDS)  # five slow rounds of ten
+    assert adaptive.STORED_ENOUGH <= 2 * adaptive.MEASURE_ROUNDS
+    assert load(1.0) == (pytest.approx(1.1), 2 * adaptive.MEASURE_ROUNDS + adaptive.FEW_ROUNDS)
+    for _ in range(adaptive.STORE_ROUNDS):
+        t1, kept = load(3.0)
+    assert (t1, kept) == (pytest.approx(3.3), adaptive.STORE_ROUNDS)  # the oldest rounds dropped
+    store.write_text("{not json")
+    assert load(2.0) == (pytest.approx(2.2), adaptive.MEASURE_ROUNDS)
+    assert load(5.0, tree_tokens=8) == (pytest.approx(5.5), adaptive.MEASURE_ROUNDS)  # other sizes: not mixed
+
+
+def test_a_cost_store_is_shared_by_the_same_setup_only(tiny, tmp_path):
+    from jakiro.decoding.adaptive import cost_store_path
+    root, target, tok, prompts, reference = tiny
+    draft = random_draft(root, target, "eagle2", {}, "store-draft")
+    path = lambda budget, tokens=7: cost_store_path(target, DraftProposer(draft, budget), tokens, str(tmp_path))  # noqa: E731
+    same = path(TreeBudget(3, 2, 6))
+    assert same == path(TreeBudget(3, 2, 6)) and same.startswith(str(tmp_path / "costs"))
+    assert len({same, path(TreeBudget(4, 2, 6)), path(TreeBudget(3, 2, 6), tokens=13),
+                cost_store_path(target, None, 7, str(tmp_path))}) == 4  # deeper, with lookup, lookup alone
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert path(TreeBudget(3, 2, 6)) != same  # timed with another thread count
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_good_lookup_chain_leaves_a_weak_draft_idle(tiny):
     from jakiro.decoding.proposers import PromptLookupProposer
     root, target, tok, prompts, reference = tiny

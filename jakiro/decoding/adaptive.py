@@ -31,7 +31,9 @@ Verification is untouched: any tree chosen before the target's forward keeps dec
 from __future__ import annotations
 
 import bisect
+import json
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 
@@ -144,11 +146,59 @@ def _at(table: dict[int, float], n: int) -> float:
 
 
 MEASURE_ROUNDS = 5  # rounds of ``measure_costs``: medians of 5 paired samples per entry
+STORE_ROUNDS = 30  # rounds a cost store keeps (the newest: its medians follow a machine whose pace drifts)
+STORED_ENOUGH = 10  # with this many rounds stored, a load measures ``FEW_ROUNDS`` more instead of ``MEASURE_ROUNDS``
+FEW_ROUNDS = 2
+
+
+def cost_store_path(target, proposer: DraftProposer | None, max_tree_tokens: int, cache: str | None = None) -> str:
+    """Where ``measure_costs`` keeps its rounds for this setup on this machine: one file per kernel
+    build (which names the CPU), thread count, target (its shape and how its weights stream)
+    and draft shape (layers, vocabulary and tree budget: what a proposal costs, not its weights)."""
+    import hashlib
+    from ..models import smallgemm
+    from ..models.hub import cache_dir
+    setup = {"build": smallgemm.build_id() if smallgemm.available() else "torch",
+             "threads": torch.get_num_threads(), "target": repr(target.config),
+             "streams": [target.quantized_matrices, target.input_bytes, str(target.dtype)],
+             "tree_tokens": max_tree_tokens}
+    if proposer is not None:
+        setup["draft"] = [repr(proposer.draft.config), proposer.head_vocab, repr(proposer.budget), proposer.mode,
+                          proposer.parallel, proposer.static is not None, proposer.draft.quantized]
+    digest = hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:20]
+    return os.path.join(cache_dir(cache), "costs", f"{digest}.json")
+
+
+def _stored_rounds(store: str | None, keys: dict) -> list[dict]:
+    """The rounds kept in ``store`` (each: quantity -> {size: ms}), if they measured the same
+    quantities at the same sizes (``keys``); an unreadable or different file counts as none."""
+    if store is None or not os.path.exists(store):
+        return []
+    try:
+        with open(store) as f:
+            rounds = json.load(f)["rounds"]
+        rounds = [{q: {int(k): float(v) for k, v in r[q].items()} for q in keys} for r in rounds]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return [r for r in rounds if all(sorted(r[q]) == sorted(keys[q]) for q in keys)]
+
+
+def _store_rounds(store: str, rounds: list[dict]) -> None:
+    """Write ``rounds`` to ``store`` atomically (a failed write leaves the table of this load as is)."""
+    try:
+        os.makedirs(os.path.dirname(store), exist_ok=True)
+        tmp = f"{store}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"rounds": [{q: {str(k): v for k, v in r[q].items()} for q in r} for r in rounds]}, f)
+        os.replace(tmp, store)
+    except OSError:
+        pass
 
 
 @torch.inference_mode()
 def measure_costs(target, proposer: DraftProposer | None, context: int = 128, long_context: int = 768,
-                  rounds: int = MEASURE_ROUNDS, max_tree_tokens: int | None = None) -> CostTable:
+                  rounds: int = MEASURE_ROUNDS, max_tree_tokens: int | None = None,
+                  store: str | None = None) -> CostTable:
     """Measure the cost table once (about three seconds for SmolLM2-135M on two cores; without
     a draft, for prompt lookup alone, only the target's forwards up to ``max_tree_tokens``).
 
@@ -166,7 +216,13 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
     whose pace moves within seconds, measuring each quantity in a phase of its own made the
     table's ratios swing (a forward after a proposal 0.89-1.43 x one after a forward, between
     loads of one draft on the development CPU), and with them the choice between drafting and
-    not."""
+    not.
+
+    ``store`` (a file, ``cost_store_path``): the rounds of earlier loads of the same setup on this
+    machine are kept there, the newest ``STORE_ROUNDS``, and the table is the medians over them
+    and this load's rounds (only ``FEW_ROUNDS`` once ``STORED_ENOUGH`` are kept): five rounds at
+    one load still left a four-token forward at 1.19 x one token in one load and 1.75 x in the
+    next (Zen 4 EPYC, 2 threads, int8 activations), and with it whether EAGLE-2 drafted at all."""
     max_n = proposer.max_tree_tokens if proposer is not None else max_tree_tokens
     deepest = proposer.budget.depth if proposer is not None else 0
     # each sampling call starts the draft afresh: room for its committed rows and proposals
@@ -180,22 +236,28 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
     short_cache = prefilled_cache(target, context, max_n)
     long_cache = prefilled_cache(target, long_context, max_n)
     catch_rows = [rows for rows in CATCH_UP_ROWS if context + rows * 4 < room]
-    samples: dict[str, list[dict]] = {}
-
-    def sample(key: str, values: dict) -> None:
-        samples.setdefault(key, []).append(values)
-
+    keys = {"short": sizes, "long": ends}
+    if proposer is not None:
+        keys.update(draft=depths, far=[deepest], caught=catch_rows, after=sizes)
+    stored = _stored_rounds(store, keys)
+    if len(stored) >= STORED_ENOUGH:
+        rounds = min(rounds, FEW_ROUNDS)
+    measured: list[dict] = []
     for r in range(max(1, rounds)):
         warmup = 2 if r == 0 else 1
-        sample("short", forward_ms(target, short_cache, 1, sizes, warmup=warmup, primed=1))
-        sample("long", forward_ms(target, long_cache, 1, ends, warmup=warmup, primed=1))
-        if proposer is None:
-            continue
-        sample("draft", _draft_costs(target, short_cache, proposer, context, depths, 1))
-        sample("far", _draft_costs(target, short_cache, proposer, long_context, [deepest], 1))
-        sample("caught", {rows: _draft_costs(target, short_cache, proposer, context, [1], 1, rows=rows)[1]
-                          for rows in catch_rows})
-        sample("after", _forwards_after_proposals(target, short_cache, proposer, sizes, 1))
+        one = {"short": forward_ms(target, short_cache, 1, sizes, warmup=warmup, primed=1),
+               "long": forward_ms(target, long_cache, 1, ends, warmup=warmup, primed=1)}
+        if proposer is not None:
+            one["draft"] = _draft_costs(target, short_cache, proposer, context, depths, 1)
+            one["far"] = _draft_costs(target, short_cache, proposer, long_context, [deepest], 1)
+            one["caught"] = {rows: _draft_costs(target, short_cache, proposer, context, [1], 1, rows=rows)[1]
+                             for rows in catch_rows}
+            one["after"] = _forwards_after_proposals(target, short_cache, proposer, sizes, 1)
+        measured.append(one)
+    kept = (stored + measured)[-STORE_ROUNDS:]
+    if store is not None:
+        _store_rounds(store, kept)
+    samples = {key: [r[key] for r in kept] for key in keys}
 
     def median(key: str, keys, minus: str | None = None, minus_key=None) -> dict:
         """Per entry, the median over rounds (of the difference to ``minus``'s entry in the same round)."""
@@ -274,13 +336,16 @@ class AdaptiveProposer(Proposer):
     needs_features = True
 
     def __init__(self, inner: DraftProposer | None, target, costs: CostTable | None = None,
-                 lookup: PromptLookupProposer | None = None, adaptive: bool = True):
+                 lookup: PromptLookupProposer | None = None, adaptive: bool = True,
+                 cost_store: str | None = None):
+        """``costs``: the cost table (default: measured here, ``measure_costs``, with the rounds of
+        earlier loads kept in ``cost_store``)."""
         if inner is None and lookup is None:
             raise ValueError("cost-aware drafting needs a draft or prompt lookup")
         self.inner, self.target, self.lookup, self.adaptive = inner, target, lookup, adaptive
         self.max_tree_tokens = ((inner.max_tree_tokens if inner else 1)
                                 + (lookup.num_tokens if lookup else 0))
-        self.costs = costs or (measure_costs(target, inner, max_tree_tokens=self.max_tree_tokens)
+        self.costs = costs or (measure_costs(target, inner, max_tree_tokens=self.max_tree_tokens, store=cost_store)
                                if adaptive else None)
         self.name = inner.name + ("+pld" if lookup else "") if inner else lookup.name
         self.needs_features = inner is not None
