@@ -164,6 +164,19 @@ def int8_disabled():
     return _switched_off("int8", int8_enabled)
 
 
+@contextlib.contextmanager
+def row_groups_disabled():
+    """Inside, the rows of a tree or prompt piece attend one by one, each reading the cached keys
+    and values itself, instead of in groups of up to four that read them once (for side-by-side
+    measurements: the results are bitwise the same)."""
+    available()
+    torch.ops.jakiro_smallgemm.set_row_groups(False)
+    try:
+        yield
+    finally:
+        torch.ops.jakiro_smallgemm.set_row_groups(True)
+
+
 def tile_layout(blocks: torch.Tensor, input_bytes: int = 3) -> torch.Tensor:
     """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel runs here,
     or, for blocks taken with one byte per input (``input_bytes`` 1: drafts, targets with int8

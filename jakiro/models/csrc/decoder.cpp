@@ -224,6 +224,37 @@ inline void dot_heads(const float* q, int64_t D, const float* const* k, float (*
   }
 }
 
+// dot_heads for R rows' query heads (q[r]) against the same keys, each key vector loaded once for
+// all rows; each row's sums in dot_heads' order (a key's sum is its own: hsum4 sums each lane
+// group as hsum does, so how many keys a pass takes does not change it)
+template <int C, int G, int NK, int R>
+inline void dot_heads_rows(const float* const* q, int64_t D, const float* const* k, float (*out)[G][4]) {
+  av acc[R][G][NK];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < G; ++h)
+      for (int j = 0; j < NK; ++j) acc[r][h][j] = av{};
+  for (int i = 0; i < C; ++i) {
+    av kv[NK];
+    for (int j = 0; j < NK; ++j) kv[j] = aload(k[j] + i * AL);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < G; ++h) {
+        const av x = aload(q[r] + h * D + i * AL);
+        for (int j = 0; j < NK; ++j) acc[r][h][j] += x * kv[j];
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < G; ++h) {
+#if defined(__AVX512F__)
+      if constexpr (NK == 4) {
+        const jakiro::vf4 t = hsum4(acc[r][h][0], acc[r][h][1], acc[r][h][2], acc[r][h][3]);
+        for (int j = 0; j < 4; ++j) out[r][h][j] = t[j];
+        continue;
+      }
+#endif
+      for (int j = 0; j < NK; ++j) out[r][h][j] = ahsum(acc[r][h][j]);
+    }
+}
+
 // softmax of each head's scores in place (s [g][L]); returns 1 / sum per head in inv
 inline void softmax_rows(float* scores, int64_t g, int64_t L, float* inv) {
   for (int64_t h = 0; h < g; ++h) {
@@ -255,17 +286,15 @@ inline void prefetch_row(const float* p, int vectors) {
   for (int c = 0; c < vectors * AL; c += 64 / static_cast<int>(sizeof(float))) __builtin_prefetch(p + c, 0, 3);
 }
 
-// The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D], D = AL C.
-// Keys and values are read once per pass for all G heads (attend_any runs other group sizes one
-// head at a time). scores: scratch of G * (number of keys) floats.
+// Scores of the G query heads q [G][D] sharing one KV head against the keys `vis` from key
+// index i0 (a multiple of the keys per pass) on: scores [G][L], scaled.
 template <int C, int G>
-void attend_heads(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
-                  float scale, float* out, float* scores) {
-  constexpr int NK = SCORE_KEYS, CH = value_chunks<C, G>();
-  static_assert(C % CH == 0, "value chunks must divide the head");
+void score_keys(const float* q, const float* K, int64_t ld, const Visible& vis, int64_t D, float scale, float* scores,
+                int64_t i0) {
+  constexpr int NK = SCORE_KEYS;
   const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
   auto key = [&](int64_t i) { return i < P ? i : vis.extra[i - P]; };
-  int64_t i = 0;
+  int64_t i = i0;
   float sc[G][4];
   for (; i + NK <= L; i += NK) {
     const float* k[NK];
@@ -281,24 +310,116 @@ void attend_heads(const float* q, const float* K, const float* V, int64_t ld, co
     dot_heads<C, G, 1>(q, D, &k, sc);
     for (int h = 0; h < G; ++h) scores[h * L + i] = sc[h][0] * scale;
   }
+}
+
+// acc [G][CH] += the G heads' softmax weights (scores [G][L]) times value chunks c0..c0+CH-1 of
+// the keys `vis` from key index t0 on, one key after another
+template <int G, int CH>
+inline void add_values(const float* V, int64_t ld, const Visible& vis, const float* scores, int64_t c0, int64_t t0,
+                       av (*acc)[CH]) {
+  const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
+  for (int64_t t = t0; t < L; ++t) {
+    const int64_t key = t < P ? t : vis.extra[t - P];
+    const float* v = V + key * ld + c0 * AL;
+    if (t + AHEAD < P) prefetch_row(V + (t + AHEAD) * ld + c0 * AL, CH);
+    av vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = aload(v + c * AL);
+    for (int h = 0; h < G; ++h) {
+      const av p = av{} + scores[h * L + t];
+      for (int c = 0; c < CH; ++c) acc[h][c] += p * vv[c];
+    }
+  }
+}
+
+// The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D], D = AL C.
+// Keys and values are read once per pass for all G heads (attend_any runs other group sizes one
+// head at a time). scores: scratch of G * (number of keys) floats.
+template <int C, int G>
+void attend_heads(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
+                  float scale, float* out, float* scores) {
+  constexpr int CH = value_chunks<C, G>();
+  static_assert(C % CH == 0, "value chunks must divide the head");
+  const int64_t L = vis.prefix + static_cast<int64_t>(vis.extra.size());
+  score_keys<C, G>(q, K, ld, vis, D, scale, scores, 0);
   float inv[G];
   softmax_rows(scores, G, L, inv);
   for (int c0 = 0; c0 < C; c0 += CH) {
     av acc[G][CH];
     for (int h = 0; h < G; ++h)
       for (int c = 0; c < CH; ++c) acc[h][c] = av{};
-    for (int64_t t = 0; t < L; ++t) {
-      const float* v = V + key(t) * ld + c0 * AL;
+    add_values<G, CH>(V, ld, vis, scores, c0, 0, acc);
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < CH; ++c) astore(out + h * D + (c0 + c) * AL, acc[h][c] * inv[h]);
+  }
+}
+
+// Registers for R rows' G heads: keys scored per pass and value chunks summed per pass such that
+// the sums (R G of them per key or chunk), the keys or chunks and a query fit in the 32 (AVX-512)
+// or 16 (AVX2) vector registers
+template <int C, int G, int R>
+constexpr int rows_keys() { return R * G * SCORE_KEYS + SCORE_KEYS + 1 <= 2 * AL ? SCORE_KEYS : SCORE_KEYS / 2; }
+template <int C, int G, int R>
+constexpr int rows_chunks() {
+  int ch = value_chunks<C, G>();
+  while (ch > 1 && (C % ch || R * G * ch + ch + 1 > 2 * AL)) --ch;
+  return ch;
+}
+
+// R rows' G query heads (q[r] [G][D]) attend their keys vis[r] in the same cache, as attend_heads
+// does each: the keys they all visit first (the shortest prefix) are read once for all rows, in
+// the same passes, so a verification tree's rows read a long context's keys and values once per
+// R rows. Every row's sums take the same operations in the same order as attend_heads gives it
+// alone (each score lane group and each lane of a value chunk sums over its keys in order, however
+// many keys or chunks a pass takes), so the results are bitwise the same.
+template <int C, int G, int R>
+void attend_rows(const float* const* q, const float* K, const float* V, int64_t ld, const Visible* const* vis,
+                 int64_t D, float scale, float* const* out, float* const* sc) {
+  constexpr int NK = rows_keys<C, G, R>(), CH = rows_chunks<C, G, R>();
+  static_assert(NK >= 1 && CH >= 1, "registers");
+  int64_t P = vis[0]->prefix, L[R];
+  for (int r = 0; r < R; ++r) {
+    P = std::min(P, vis[r]->prefix);
+    L[r] = vis[r]->prefix + static_cast<int64_t>(vis[r]->extra.size());
+  }
+  // scores of the shared keys in whole passes, then each row's rest as attend_heads scores them
+  const int64_t shared = P / SCORE_KEYS * SCORE_KEYS;
+  for (int64_t i = 0; i + NK <= shared; i += NK) {
+    const float* k[NK];
+    for (int j = 0; j < NK; ++j) k[j] = K + (i + j) * ld;
+    if (i + AHEAD + NK <= P)
+      for (int j = 0; j < NK; ++j) prefetch_row(K + (i + AHEAD + j) * ld, C);
+    float part[R][G][4];
+    dot_heads_rows<C, G, NK, R>(q, D, k, part);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < G; ++h)
+        for (int j = 0; j < NK; ++j) sc[r][h * L[r] + i + j] = part[r][h][j] * scale;
+  }
+  float inv[R][G];
+  for (int r = 0; r < R; ++r) {
+    score_keys<C, G>(q[r], K, ld, *vis[r], D, scale, sc[r], shared);
+    softmax_rows(sc[r], G, L[r], inv[r]);
+  }
+  for (int c0 = 0; c0 < C; c0 += CH) {
+    av acc[R][G][CH];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < G; ++h)
+        for (int c = 0; c < CH; ++c) acc[r][h][c] = av{};
+    for (int64_t t = 0; t < P; ++t) {
+      const float* v = V + t * ld + c0 * AL;
       if (t + AHEAD < P) prefetch_row(V + (t + AHEAD) * ld + c0 * AL, CH);
       av vv[CH];
       for (int c = 0; c < CH; ++c) vv[c] = aload(v + c * AL);
-      for (int h = 0; h < G; ++h) {
-        const av p = av{} + scores[h * L + t];
-        for (int c = 0; c < CH; ++c) acc[h][c] += p * vv[c];
-      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < G; ++h) {
+          const av p = av{} + sc[r][h * L[r] + t];
+          for (int c = 0; c < CH; ++c) acc[r][h][c] += p * vv[c];
+        }
     }
-    for (int h = 0; h < G; ++h)
-      for (int c = 0; c < CH; ++c) astore(out + h * D + (c0 + c) * AL, acc[h][c] * inv[h]);
+    for (int r = 0; r < R; ++r) {
+      add_values<G, CH>(V, ld, *vis[r], sc[r], c0, P, acc[r]);
+      for (int h = 0; h < G; ++h)
+        for (int c = 0; c < CH; ++c) astore(out[r] + h * D + (c0 + c) * AL, acc[r][h][c] * inv[r][h]);
+    }
   }
 }
 
@@ -345,6 +466,28 @@ void attend_any(const float* q, int64_t g, const float* K, const float* V, int64
   }
 }
 
+// R (1 to ROW_GROUP) rows' query heads of one KV head (see attend_rows) where the kernels take
+// them at once; false for other head layouts (the caller runs attend_any on each row)
+constexpr int64_t ROW_GROUP = 4;
+template <int R>
+bool attend_group_of(const float* const* q, int64_t g, const float* K, const float* V, int64_t ld,
+                     const Visible* const* vis, int64_t D, float scale, float* const* out, float* const* sc) {
+  if (D == 64 && g == 3) return attend_rows<64 / AL, 3, R>(q, K, V, ld, vis, D, scale, out, sc), true;
+  if (D == 64 && g == 2) return attend_rows<64 / AL, 2, R>(q, K, V, ld, vis, D, scale, out, sc), true;
+  if (D == 128 && g == 2) return attend_rows<128 / AL, 2, R>(q, K, V, ld, vis, D, scale, out, sc), true;
+  return false;
+}
+
+bool attend_group(int64_t rows, const float* const* q, int64_t g, const float* K, const float* V, int64_t ld,
+                  const Visible* const* vis, int64_t D, float scale, float* const* out, float* const* sc) {
+  switch (rows) {
+    case 2: return attend_group_of<2>(q, g, K, V, ld, vis, D, scale, out, sc);
+    case 3: return attend_group_of<3>(q, g, K, V, ld, vis, D, scale, out, sc);
+    case 4: return attend_group_of<4>(q, g, K, V, ld, vis, D, scale, out, sc);
+    default: return false;
+  }
+}
+
 inline vf silu_times(vf g, vf u) { return g / (1.f + vexp(-g)) * u; }
 
 struct Shape {
@@ -361,6 +504,10 @@ struct AttentionWeights {
   const float* q_norm;  // per-head norms of Qwen3, else null
   const float* k_norm;
 };
+
+// whether rows sharing a cache attend in groups (attention_block); off only to measure the difference
+bool row_groups = true;
+void set_row_groups(bool on) { row_groups = on; }
 
 // one layer's keys and values: [Hkv][max_len][D] each, heads `head_stride` floats apart
 struct LayerCache {
@@ -412,13 +559,30 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
       std::memcpy(c.v_of(r) + j * c.head_stride + p * c.row_stride, row + (H + Hkv + j) * D, D * sizeof(float));
     }
   }
-  // one task per (row, KV head); its g query heads are consecutive in q
+  // one task per (group of up to ROW_GROUP rows, KV head), each row's g query heads consecutive in
+  // q: rows that share a cache read the keys and values they all visit once (attend_group);
+  // independent sequences (batched decoding) go one row per task
   const int64_t work = n * H * s.keys * D, ld = g * s.keys;
-  at::parallel_for(0, n * Hkv, work >= PARALLEL_WORK ? 1 : n * Hkv, [&](int64_t t0, int64_t t1) {
+  const int64_t per = c.batch_stride == 0 && row_groups ? ROW_GROUP : 1, groups = (n + per - 1) / per;
+  auto attend_row = [&](int64_t r, int64_t j) {
+    attend_any(s.qkv + r * NQKV + j * g * D, g, c.k_of(r) + j * c.head_stride, c.v_of(r) + j * c.head_stride,
+               c.row_stride, vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + (r * Hkv + j) * ld);
+  };
+  at::parallel_for(0, groups * Hkv, work >= PARALLEL_WORK ? 1 : groups * Hkv, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r = t / Hkv, j = t % Hkv;
-      attend_any(s.qkv + r * NQKV + j * g * D, g, c.k_of(r) + j * c.head_stride, c.v_of(r) + j * c.head_stride,
-                 c.row_stride, vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + t * ld);
+      const int64_t r0 = t / Hkv * per, j = t % Hkv, rows = std::min(per, n - r0);
+      const float* q[ROW_GROUP];
+      const Visible* v[ROW_GROUP];
+      float *o[ROW_GROUP], *sc[ROW_GROUP];
+      for (int64_t r = 0; r < rows; ++r) {
+        q[r] = s.qkv + (r0 + r) * NQKV + j * g * D;
+        v[r] = &vis[r0 + r];
+        o[r] = s.o + (r0 + r) * H * D + j * g * D;
+        sc[r] = s.scores + ((r0 + r) * Hkv + j) * ld;
+      }
+      if (rows == 1 || !attend_group(rows, q, g, c.k + j * c.head_stride, c.v + j * c.head_stride, c.row_stride, v, D,
+                                     S.scale, o, sc))
+        for (int64_t r = 0; r < rows; ++r) attend_row(r0 + r, j);
     }
   });
   jakiro::apply_linear(*w.o, d, nullptr, s.o, n, H * D, s.y, input_bytes);
@@ -947,6 +1111,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
+  m.def("set_row_groups(bool on) -> ()", set_row_groups);
   m.def("decoder_layers(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, int past, Tensor cos, "
         "Tensor sin, Tensor? tree_mask, int num_heads, int num_kv_heads, float eps, float scale, "
         "int[] keep_after=[], int input_bytes=3) -> Tensor",
