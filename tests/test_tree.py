@@ -254,6 +254,40 @@ def test_fused_experts_call_refuses_a_router_of_the_wrong_shape(tmp_path):
                                              head.kernel_weight, head.out_features, router, [1], 1e-6)
 
 
+def test_chain_call_refuses_bad_shapes_with_clear_messages(tmp_path):
+    """The one-call chain checks what it is given: a router whose rows are not the experts, a
+    contrastive branch without a router, and no rows to catch up on are refused by name."""
+    from jakiro.models import smallgemm
+    if not smallgemm.available():
+        pytest.skip("the small-batch kernels are not built here")
+    _, draft = _tiny_jakiro(tmp_path, num_experts=2, experts_per_token=2)
+    c = draft.config
+    cache = draft.new_cache(16)
+    layers = draft._attend_layers()
+    mlps = [(draft._fast_layer(f"gate_up{e}", (draft.gate_up[e],)).kernel_weight,
+             draft._fast_layer(f"down{e}", (draft.down[e],)).kernel_weight) for e in range(2)]
+    head = draft._head_of(None)
+
+    def call(features, router, con_router):
+        return smallgemm.draft_chain(
+            features, torch.zeros(features.shape[0], dtype=torch.long), 2, draft.embed, layers[0].kernel_weight,
+            layers[0].bias, draft.input_norm.detach(), layers[1].kernel_weight, layers[2].kernel_weight, cache.data,
+            0, draft.rope_cos, draft.rope_sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim ** -0.5,
+            draft.post_norm.detach(), [g for g, _ in mlps], [d for _, d in mlps], c.intermediate_size, router,
+            con_router, head.kernel_weight, head.ids, c.rms_norm_eps, 1)
+
+    rows, router = torch.randn(2, 64), draft.router.weight.detach()
+    with torch.inference_mode():
+        ids, logp = call(rows, router, draft.con_router.weight.detach())
+        assert ids.shape == logp.shape == (3,)  # two steps and the contrastive token
+        with pytest.raises(RuntimeError, match="router must be"):
+            call(rows, torch.randn(3, 64), None)
+        with pytest.raises(RuntimeError, match="contrastive branch needs a router"):
+            call(rows, None, draft.con_router.weight.detach())
+        with pytest.raises(RuntimeError, match="m >= 1"):
+            call(torch.randn(0, 64), router, None)
+
+
 @pytest.mark.parametrize("method,top_k,overrides", [
     ("eagle2", 3, {}), ("eagle2", 1, {}),
     ("jakiro", 1, {"parallel_decoding": False}),  # a decoupled chain: the router's first expert only
