@@ -70,9 +70,8 @@ class Jakiro:
         elif method == "pld":
             proposer = PromptLookupProposer(num_tokens=pld_tokens)
             if adaptive:  # verify only as much of the chain as pays on this machine
-                from .decoding.adaptive import AdaptiveProposer, cost_store_path
-                store = cost_store_path(self.target, None, proposer.num_tokens + 1, cache_dir)
-                proposer = AdaptiveProposer(None, self.target, lookup=proposer, cost_store=store)
+                from .decoding.adaptive import AdaptiveProposer
+                proposer = AdaptiveProposer(None, self.target, lookup=proposer, keep_costs=True, cache_dir=cache_dir)
         else:
             from .draft.tuning import DEFAULT_TREE_KEY, default_tree, load_tuning
             from .draft import load_draft
@@ -101,12 +100,10 @@ class Jakiro:
             except ValueError as exc:
                 raise JakiroError(str(exc)) from None
             if (adaptive and not explicit) or lookup:
-                from .decoding.adaptive import AdaptiveProposer, cost_store_path
-                store = cost_store_path(self.target, proposer, proposer.max_tree_tokens + (pld_tokens if lookup else 0),
-                                        cache_dir)
+                from .decoding.adaptive import AdaptiveProposer
                 proposer = AdaptiveProposer(proposer, self.target, adaptive=adaptive and not explicit,
                                             lookup=PromptLookupProposer(num_tokens=pld_tokens) if lookup else None,
-                                            cost_store=store)
+                                            keep_costs=True, cache_dir=cache_dir)
         engine = Engine(self.target, self.tokenizer, proposer, tuned=source)
         self.engines[name] = engine
         return engine

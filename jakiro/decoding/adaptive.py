@@ -337,16 +337,18 @@ class AdaptiveProposer(Proposer):
 
     def __init__(self, inner: DraftProposer | None, target, costs: CostTable | None = None,
                  lookup: PromptLookupProposer | None = None, adaptive: bool = True,
-                 cost_store: str | None = None):
-        """``costs``: the cost table (default: measured here, ``measure_costs``, with the rounds of
-        earlier loads kept in ``cost_store``)."""
+                 keep_costs: bool = False, cache_dir: str | None = None):
+        """``costs``: the cost table (default: measured here, ``measure_costs``; with ``keep_costs``
+        together with the rounds of earlier loads of the same setup, kept under ``cache_dir``)."""
         if inner is None and lookup is None:
             raise ValueError("cost-aware drafting needs a draft or prompt lookup")
         self.inner, self.target, self.lookup, self.adaptive = inner, target, lookup, adaptive
         self.max_tree_tokens = ((inner.max_tree_tokens if inner else 1)
                                 + (lookup.num_tokens if lookup else 0))
-        self.costs = costs or (measure_costs(target, inner, max_tree_tokens=self.max_tree_tokens, store=cost_store)
-                               if adaptive else None)
+        if costs is None and adaptive:
+            store = cost_store_path(target, inner, self.max_tree_tokens, cache_dir) if keep_costs else None
+            costs = measure_costs(target, inner, max_tree_tokens=self.max_tree_tokens, store=store)
+        self.costs = costs
         self.name = inner.name + ("+pld" if lookup else "") if inner else lookup.name
         self.needs_features = inner is not None
         self.aux_layers = inner.aux_layers if inner else ()

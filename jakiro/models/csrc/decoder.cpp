@@ -904,6 +904,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_mlp_head(const at::Tensor& 
   return {out, ids, logp};
 }
 
+// The experts of a row r [d] in router order: the router's logits over rmsnorm(r) (``m``, written),
+// largest first, ties to the lower index
+void rank_experts(const float* r, const float* norm, const float* router, int64_t N, int64_t d, float eps, float* m,
+                  int64_t* order) {
+  rmsnorm(r, norm, m, d, eps);
+  std::vector<float> z(N);
+  for (int64_t e = 0; e < N; ++e) {
+    z[e] = dot(router + e * d, m, d);
+    order[e] = e;
+  }
+  std::stable_sort(order, order + N, [&](int64_t a, int64_t b) { return z[a] > z[b]; });
+}
+
 // A decoupled Jakiro draft step's children for residual rows r [n, d]: each row's activated
 // experts in router order (the A largest of router [N, d] times rmsnorm(r) with ``norm``, ties to
 // the lower index; computed here, where the same few operations in torch cost about 0.1 ms a
@@ -942,15 +955,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
   std::vector<int64_t> rank_of(n * A);
   std::vector<char> used(N, 0);
   {
-    std::vector<float> m(d), z(N);
+    std::vector<float> m(d);
     std::vector<int64_t> idx(N);
     for (int64_t i = 0; i < n; ++i) {
-      rmsnorm(r.data_ptr<float>() + i * d, norm.data_ptr<float>(), m.data(), d, static_cast<float>(eps));
-      for (int64_t e = 0; e < N; ++e) {
-        z[e] = dot(rw.data_ptr<float>() + e * d, m.data(), d);
-        idx[e] = e;
-      }
-      std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return z[a] > z[b]; });
+      rank_experts(r.data_ptr<float>() + i * d, norm.data_ptr<float>(), rw.data_ptr<float>(), N, d,
+                   static_cast<float>(eps), m.data(), idx.data());
       for (int64_t a = 0; a < A; ++a) used[rank_of[i * A + a] = idx[a]] = 1;
     }
   }
@@ -998,19 +1007,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
     }
   });
   return {feats, ids, logp};
-}
-
-// The experts of rows r [1, d] in router order: the router's logits over rmsnorm(r) (``m``, written),
-// largest first, ties to the lower index (as ``draft_experts_topk`` ranks them)
-void rank_experts(const float* r, const float* norm, const float* router, int64_t N, int64_t d, float eps, float* m,
-                  int64_t* order) {
-  rmsnorm(r, norm, m, d, eps);
-  std::vector<float> z(N);
-  for (int64_t e = 0; e < N; ++e) {
-    z[e] = dot(router + e * d, m, d);
-    order[e] = e;
-  }
-  std::stable_sort(order, order + N, [&](int64_t a, int64_t b) { return z[a] > z[b]; });
 }
 
 // A draft's whole chain proposal (top-k 1: each step keeps only its best child) in one call. First
