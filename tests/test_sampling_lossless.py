@@ -243,3 +243,57 @@ def test_forgetful_verifier_is_caught(tiny_small_vocab, monkeypatch):
     samples = sample_three(engine, prompt, kw, N_SAMPLES)
     with pytest.raises(AssertionError, match="can never produce|differs from plain sampling"):
         check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
+
+
+@pytest.mark.parametrize("params", list(PARAM_SETS))
+@pytest.mark.parametrize("setup", ["chain", "cost-aware hybrid chain"])
+def test_sampled_draft_chain_matches_plain(tiny_small_vocab, params, setup, monkeypatch):
+    """Chains drawn from the draft's own distribution (``DraftProposer.set_sampling``) and
+    accepted with min(1, p / q): alone, and cost-aware with prompt-lookup branches merged into
+    them and plain steps between them."""
+    from jakiro.decoding.adaptive import AdaptiveProposer, CostTable
+    from jakiro.decoding.proposers import PromptLookupProposer
+    target, tok, prompt = tiny_small_vocab
+    kw = PARAM_SETS[params]
+    proposer = DraftProposer(random_jakiro_draft(target, seed=4), TreeBudget(depth=3, top_k=1, total_tokens=3))
+    if setup != "chain":
+        costs = CostTable({1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6, 8: 2.4}, {1: 0.3, 2: 0.5, 3: 0.7})
+        proposer = AdaptiveProposer(proposer, target, costs, lookup=PromptLookupProposer(num_tokens=3))
+    sampled = []
+    real_verify = verify_module.verify_sampling
+
+    def counting(tree, logits, params_, generator):
+        sampled.append(bool(tree.proposals))
+        return real_verify(tree, logits, params_, generator)
+    monkeypatch.setattr(verify_module, "verify_sampling", counting)
+    samples = sample_three(Engine(target, tok, proposer), prompt, kw, N_SAMPLES)
+    assert sum(sampled) > N_SAMPLES // 2  # drawn chains verified (each request has two or three cycles)
+    check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
+
+
+def test_drawn_chains_repeat_with_a_seed_and_can_be_switched_off(tiny_small_vocab, monkeypatch):
+    target, tok, prompt = tiny_small_vocab
+    proposer = DraftProposer(random_jakiro_draft(target, seed=5), TreeBudget(depth=3, top_k=1, total_tokens=3))
+    engine = Engine(target, tok, proposer)
+    trees = []
+    real_verify = verify_module.verify_sampling
+
+    def keeping(tree, logits, params_, generator):
+        trees.append(tree)
+        return real_verify(tree, logits, params_, generator)
+    monkeypatch.setattr(verify_module, "verify_sampling", keeping)
+    params = SamplingParams(temperature=1.0, seed=5)
+    first = engine.generate(prompt, 12, params).token_ids
+    assert engine.generate(prompt, 12, params).token_ids == first
+    assert proposer.parallel  # the chain's last token comes from the contrastive branch: chosen, not drawn
+    assert trees and all(t.proposals and set(t.proposals) == set(range(1, t.size - 1)) for t in trees)
+    for t in trees:  # each node carries the distribution its token was drawn from
+        for node, (ids, q) in t.proposals.items():
+            assert float(q[ids == t.tokens[node]].sum()) > 0 and abs(float(q.sum()) - 1) < 1e-5
+    trees.clear()
+    proposer.draw_chains = False
+    engine.generate(prompt, 12, params)
+    assert trees and all(t.proposals is None for t in trees)
+    trees.clear()
+    engine.generate(prompt, 12, SamplingParams())  # greedy requests take the most likely tokens
+    assert not trees

@@ -41,7 +41,7 @@ import torch
 
 from .costs import forward_ms, interleaved_ms, monotone, prefilled_cache
 from .proposers import DraftProposer, PromptLookupProposer, Proposer
-from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree
+from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree, kept_proposals
 
 PROBE_AFTER = 4  # plain steps before drafting again, doubled after each probe that did not pay
 MAX_WAIT = 64
@@ -390,6 +390,10 @@ class AdaptiveProposer(Proposer):
             self.inner.start(max_len)
         self.start_stats()
 
+    def set_sampling(self, params, generator=None) -> None:
+        if self.inner:
+            self.inner.set_sampling(params, generator)
+
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         if self.inner:
             self.inner.observe(features, next_tokens)
@@ -522,6 +526,7 @@ class AdaptiveProposer(Proposer):
             pruned = chain_tree(int(tree.tokens[0]), tree.tokens[1:k + 1])
             pruned.scores = tree.scores[:k + 1]
             pruned.sources = tree.sources[:k + 1] if tree.sources is not None else None
+            pruned.proposals = kept_proposals(tree, list(range(k + 1)))
             return pruned
         keep = [0] + sorted(i + 1 for i in order[:k])
         position = {node: p for p, node in enumerate(keep)}
@@ -530,6 +535,7 @@ class AdaptiveProposer(Proposer):
         pruned = build_tree(tree.tokens[keep_t], torch.tensor([-1] + [position[parents[i]] for i in keep[1:]]))
         pruned.scores = tree.scores[keep_t]
         pruned.sources = tree.sources[keep_t] if tree.sources is not None else None
+        pruned.proposals = kept_proposals(tree, keep)
         return pruned
 
     def propose(self, context: list[int]) -> Tree:
@@ -555,7 +561,10 @@ class AdaptiveProposer(Proposer):
         tree = self.inner.propose(context, depth=depth)
         if chain:
             tree = add_chain(tree, chain)
-        tree = self.prune(tree, drafted=True)
+        # a sampled chain keeps its first token: once drafting is chosen, that token's chance is
+        # what the depth estimate priced (its score, the draft's confidence, is a weak guide to
+        # min(1, p / q)); cut to nothing and counted as a miss, it kept a draft idle at T = 1
+        tree = self.prune(tree, min_keep=1 if tree.proposals else 0, drafted=True)
         drafted = sum(1 for source in tree.sources.tolist() if source & DRAFT)
         self.nodes[depth] = 0.7 * self.nodes[depth] + 0.3 * drafted
         if drafted == 0:  # the draft was not confident enough to verify: a cycle that reached nothing
@@ -570,6 +579,7 @@ class AdaptiveProposer(Proposer):
         probe = chain_tree(context[-1], [int(level.tokens[best])])
         probe.scores = level.scores[[0, best]]
         probe.sources = torch.tensor([0, DRAFT])
+        probe.proposals = kept_proposals(level, [0, best])
         return add_chain(probe, plain.tokens[1:].tolist()) if plain.size > 1 else probe
 
     def _probe_affordable(self, plain_tokens: int) -> bool:

@@ -194,6 +194,7 @@ class Engine:
         """The prompt's forward: a fresh KV cache holding it and the first new token."""
         target, proposer = self.target, self.proposer
         cache = target.new_cache(len(ids) + max_new_tokens, scratch=proposer.max_tree_tokens)
+        proposer.set_sampling(None if params.greedy else params, generator)
         proposer.start(len(ids) + max_new_tokens)
         logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None), chunked=True,
                                aux_layers=proposer.aux_layers)

@@ -25,6 +25,10 @@ class Tree:
     retrieve_paths: torch.Tensor  # [leaves, max_depth + 1] long, -1 padded
     scores: torch.Tensor | None = None  # [n] the draft's cumulative log-prob per node (root 0)
     sources: torch.Tensor | None = None  # [n] where each node came from: DRAFT | LOOKUP bits (root 0)
+    # node -> (token ids [V'], probabilities [V']): the distribution a sampled node's token was
+    # drawn from (``verify_sampling`` accepts it with min(1, p / q)); nodes without one were chosen
+    # deterministically (top-k, lookup)
+    proposals: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def size(self) -> int:
@@ -116,7 +120,16 @@ def add_chain(tree: Tree, chain: list[int]) -> Tree:
         node = match
     merged = build_tree(torch.tensor(tokens), torch.tensor(parents))
     merged.scores, merged.sources = torch.tensor(scores), torch.tensor(sources)
+    merged.proposals = tree.proposals  # the tree's nodes keep their indices; the chain's are appended
     return merged
+
+
+def kept_proposals(tree: Tree, keep: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]] | None:
+    """``tree.proposals`` of a subtree made of the nodes ``keep`` (increasing, the root first),
+    renumbered as the subtree numbers them."""
+    if not tree.proposals:
+        return None
+    return {new: tree.proposals[old] for new, old in enumerate(keep) if old in tree.proposals} or None
 
 
 def select_nodes(scores: torch.Tensor, parents: torch.Tensor, total_tokens: int

@@ -3,11 +3,19 @@
 Greedy: accept the longest root-to-leaf path whose every token is the target's argmax at its
 parent, then append the target's argmax after it (the bonus token).
 
-Sampling: the drafts are deterministic (top-k), so we use multi-candidate rejection sampling with
-q = 1: walk down from the root; at a node, try its children in order and accept child x with
-probability p(x) / sum(p), where p is the target's processed distribution (temperature, top-k,
-top-p) at that node; on rejection set p(x) = 0 and try the next sibling. If no child is accepted
-(or the node is a leaf) the bonus token is drawn from what is left of p, still processed.
+Sampling: multi-candidate rejection sampling. Walk down from the root; at a node, try its
+children in order against p, the target's processed distribution (temperature, top-k, top-p) at
+that node. A child x chosen deterministically (top-k drafts, prompt lookup: q is a point mass) is
+accepted with probability p(x) / sum(p), and on rejection p(x) = 0; a child drawn from a
+distribution q (a sampled draft chain, ``Tree.proposals``) is accepted with probability
+min(1, p(x) / q(x)) (p normalised), and on rejection p becomes max(0, p - q). Either way the
+next sibling is tried against what is left. If no child is accepted (or the node is a leaf) the
+bonus token is drawn from what is left of p, still processed. Each step is the speculative
+sampling step for its candidate against the distribution left by the steps before it, and the
+candidates are drawn independently of one another, so the committed token follows p. Drawn
+children are tried before chosen siblings: a node where a drawn token met a chosen one (a lookup
+token merged into the draft's) then stands for both, and the chosen one, tried second, could
+never be accepted (after the drawn x is rejected, p(x) < q(x), so nothing of p(x) is left).
 """
 
 from __future__ import annotations
@@ -66,6 +74,10 @@ def verify_sampling(tree: Tree, logits: torch.Tensor, params: SamplingParams,
     children: dict[int, list[int]] = {}
     for node in range(1, len(parents)):
         children.setdefault(parents[node], []).append(node)
+    proposals = tree.proposals or {}
+    if proposals:  # drawn children before chosen ones (see the module docstring)
+        for kids in children.values():
+            kids.sort(key=lambda child: child not in proposals)
     node, accepted = 0, [0]
     while True:
         # only the rows the walk reaches are processed (at most the accepted path and one more):
@@ -75,11 +87,25 @@ def verify_sampling(tree: Tree, logits: torch.Tensor, params: SamplingParams,
         for child in children.get(node, ()):
             x = tokens[child]
             px, total = float(p[x]), float(p.sum())
-            if px > 0 and float(torch.rand((), generator=generator)) * total < px:
+            u = float(torch.rand((), generator=generator))
+            if child not in proposals:  # chosen deterministically
+                if px > 0 and u * total < px:
+                    node, moved = child, True
+                    accepted.append(child)
+                    break
+                p[x] = 0.0  # rejected: the residual distribution excludes x (p is a fresh tensor)
+                continue
+            ids, q = proposals[child]
+            qx = float(q[ids == x].sum())
+            if px > 0 and u * qx * total < px:  # u < min(1, p(x) / q(x)), p normalised
                 node, moved = child, True
                 accepted.append(child)
                 break
-            p[x] = 0.0  # rejected: the residual distribution excludes x (p is a fresh tensor)
+            residual = (p / total).index_add_(0, ids, q, alpha=-1.0).clamp_(min=0.0)
+            if float(residual.sum()) > 0:
+                p = residual
+            else:  # q = p up to rounding: a rejection has probability ~0; exclude x as for a point mass
+                p[x] = 0.0
         if not moved:
             bonus = sample(p, generator)
             return Verdict(torch.tensor(accepted), bonus)

@@ -522,6 +522,15 @@ class DraftModel(nn.Module):
             contrastive = r + coef[..., :1] * chosen[..., 0, :] - coef[..., 1:] * chosen[..., 1, :]
         return DraftOutput(r.unsqueeze(-2) + chosen, top_w, blend, contrastive)
 
+    def first_feature(self, r: torch.Tensor) -> torch.Tensor:
+        """For one residual row r [1, d]: r plus EAGLE-2's MLP, or plus the expert the router
+        ranks first (a decoupled Jakiro node's first child carries it): that part of ``heads``
+        without the other experts, the router's weights or the contrastive branch."""
+        c = self.config
+        m = F.rms_norm(r, (r.shape[-1],), self.post_norm, c.rms_norm_eps)
+        n = 0 if c.method == "eagle2" else int(self.router(m).argmax(-1)[0])
+        return r + self._expert(n, m)
+
     def _expert(self, n: int, m: torch.Tensor) -> torch.Tensor:
         """Expert ``n``'s MLP (the dense MLP for eagle2) on normalised rows m [..., d]."""
         gate, up = self._linear(f"gate_up{n}", m, (self.gate_up[n],)).chunk(2, dim=-1)
