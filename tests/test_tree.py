@@ -278,8 +278,8 @@ def test_chain_call_refuses_bad_shapes_with_clear_messages(tmp_path):
 
     rows, router = torch.randn(2, 64), draft.router.weight.detach()
     with torch.inference_mode():
-        ids, logp = call(rows, router, draft.con_router.weight.detach())
-        assert ids.shape == logp.shape == (3,)  # two steps and the contrastive token
+        ids, logp, probs = call(rows, router, draft.con_router.weight.detach())
+        assert ids.shape == logp.shape == (3,) and probs.numel() == 0  # two steps and the contrastive token
         with pytest.raises(RuntimeError, match="router must be"):
             call(rows, torch.randn(3, 64), None)
         with pytest.raises(RuntimeError, match="contrastive branch needs a router"):
@@ -329,3 +329,38 @@ def test_trees_with_and_without_the_fused_kernel_agree(tmp_path, monkeypatch, me
     assert [c is not None for c in chains] == [True] * (top_k == 1)
     if method == "jakiro" and top_k == 3 and not overrides:
         assert calls[0] == [2, 1]
+
+
+@pytest.mark.parametrize("method,overrides", [
+    ("eagle2", {}), ("jakiro", {"parallel_decoding": False}), ("jakiro", {}),
+])
+def test_drawn_chains_with_and_without_the_fused_kernel_agree(tmp_path, monkeypatch, method, overrides):
+    """A sampled request's chain drawn in the one kernel call (uniforms drawn up front, softmax
+    of the logits over the temperature, the first row whose running sum passes a draw) is the
+    chain the per-operation path draws from the same generator, with the same distributions."""
+    from jakiro.decoding.sampling import SamplingParams
+    from jakiro.draft import DraftModel
+    from jakiro.models import smallgemm
+    if not smallgemm.available():
+        pytest.skip("the small-batch kernels are not built here")
+    target, draft = _tiny_jakiro(tmp_path, method=method, **overrides)
+    prompt = torch.arange(2, 22)
+    fused_chain, chains = DraftModel.chain, []
+    monkeypatch.setattr(DraftModel, "chain", lambda self, *a: chains.append(fused_chain(self, *a)) or chains[-1])
+    for seed in range(4):
+        trees = []
+        for fused in (True, False):
+            if not fused:
+                monkeypatch.setattr(DraftModel, "chain", lambda self, *a: None)
+            proposer = DraftProposer(draft, TreeBudget(depth=3, top_k=1, total_tokens=3))
+            context = _start(proposer, target, prompt)
+            proposer.set_sampling(SamplingParams(temperature=0.8), torch.Generator().manual_seed(seed))
+            trees.append(proposer.propose(context))
+        monkeypatch.setattr(DraftModel, "chain", lambda self, *a: chains.append(fused_chain(self, *a)) or chains[-1])
+        assert trees[0].tokens.tolist() == trees[1].tokens.tolist()
+        assert sorted(trees[0].proposals) == sorted(trees[1].proposals) == list(range(1, 3 if draft.config.parallel_decoding else 4))
+        for node, (ids, q) in trees[0].proposals.items():
+            assert torch.equal(ids, trees[1].proposals[node][0])
+            torch.testing.assert_close(q, trees[1].proposals[node][1], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(trees[0].scores, trees[1].scores, atol=1e-4, rtol=1e-5)
+    assert len(chains) == 4 and all(c is not None and c[2] is not None for c in chains)

@@ -278,21 +278,31 @@ class DraftProposer(Proposer):
         if self._new_request:  # the first proposal of a request: its context is the prompt
             self._head, self._new_request = self.prompt_head(context), False
         feats, toks = self._catch_up_rows()
-        if self.static is None and self.budget.top_k == 1 and self._sampling is not None:
-            r = self._attend_rows(feats, toks)
-            return self._propose_sampled_chain(context, r, self.cache.length, depth)
         if self.static is None and self.budget.top_k == 1:
             contrastive = self.parallel and depth >= 2
             steps = depth - 1 if contrastive else depth
-            fused = (self.draft.chain(feats, toks, steps, contrastive, self.cache, self.head)
-                     if self.mode in ("single", "decoupled") else None)
+            params, draws = None, None
+            if self._sampling is not None:
+                params, generator = self._sampling
+                # the kernel draws from softmax(logits / T); top-k and top-p filters are applied here
+                if params.top_k == 0 and params.top_p >= 1.0:
+                    draws = torch.rand(steps, dtype=torch.float64, generator=generator)
+            fused = (self.draft.chain(feats, toks, steps, contrastive, self.cache, self.head, draws,
+                                      params.temperature if params else 1.0)
+                     if self.mode in ("single", "decoupled") and (params is None or draws is not None) else None)
             if fused is not None:  # the catch-up and the whole chain in one kernel call
                 self.cache.commit(feats.shape[0])
                 self.draft_forwards += steps
                 scores = [0.0]
                 for lp in fused[1].tolist():
                     scores.append(scores[-1] + lp)
-                return self._chain(context, fused[0].tolist(), scores)
+                tree = self._chain(context, fused[0].tolist(), scores)
+                if draws is not None:  # each drawn node carries its distribution
+                    tree.proposals = {j + 1: (self.head.ids, fused[2][j]) for j in range(min(steps, tree.size - 1))}
+                return tree
+            if params is not None:
+                r = self._attend_rows(feats, toks)
+                return self._propose_sampled_chain(context, r, self.cache.length, depth)
         r = self._attend_rows(feats, toks)
         base = self.cache.length  # = position of the root token
         if self.static is not None:

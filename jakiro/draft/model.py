@@ -468,7 +468,8 @@ class DraftModel(nn.Module):
         return layers
 
     def chain(self, features: torch.Tensor, token_ids: torch.Tensor, steps: int, contrastive: bool, cache: KVCache,
-              head: "DraftHead | int | None" = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+              head: "DraftHead | int | None" = None, draws: torch.Tensor | None = None, temperature: float = 1.0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """A chain proposal (top-k 1) in one call of the kernels: ``attend`` over the rows
         committed since the last proposal (input features [m, d] as ``input_features`` gives
         them, the tokens after them [m]) at the cache's next positions, then from the newest row
@@ -476,8 +477,11 @@ class DraftModel(nn.Module):
         expert the router ranks first (as ``mlp_head_topk`` and ``experts_topk`` with k = 1, then
         ``attend``), the last adding the contrastive branch's best row when ``contrastive``. The
         m rows' keys and values are written into ``cache`` for the caller to commit; the chain's
-        after them, left uncommitted. Returns (target token ids [steps (+ 1)], log-probs), or
-        None where the kernels do not apply (training, no kernel, more rows than they take)."""
+        after them, left uncommitted. With ``draws`` (float64 uniforms [steps]) each step's token
+        is drawn from softmax(logits / ``temperature``) over ``head``'s rows instead of being the best.
+        Returns (target token ids [steps (+ 1)], the best rows' log-probs, the distributions drawn
+        from [steps, V] or None), or None where the kernels do not apply (training, no kernel,
+        more rows than they take)."""
         c = self.config
         if (self.training or torch.is_grad_enabled() or not smallgemm.available() or features.shape[0] > SMALL_ROWS
                 or self.post_norm.dtype != torch.float32 or (contrastive and not c.parallel_decoding)):
@@ -488,14 +492,14 @@ class DraftModel(nn.Module):
             return None
         cache.check_room(features.shape[0] + steps - 1)
         jakiro = c.method == "jakiro"
-        ids, logp = smallgemm.draft_chain(
+        ids, logp, probs = smallgemm.draft_chain(
             features, token_ids, steps, self.embed, layers[0].kernel_weight, layers[0].bias, self.input_norm.detach(),
             layers[1].kernel_weight, layers[2].kernel_weight, cache.data, cache.length, self.rope_cos, self.rope_sin,
             c.num_attention_heads, c.num_key_value_heads, c.head_dim ** -0.5, self.post_norm.detach(),
             [g for g, _ in mlps], [d for _, d in mlps], c.intermediate_size,
             self.router.weight.detach() if jakiro else None, self.con_router.weight.detach() if contrastive else None,
-            rows.kernel_weight, rows.ids, c.rms_norm_eps, INPUT_BYTES)
-        return rows.ids[ids], logp
+            rows.kernel_weight, rows.ids, c.rms_norm_eps, INPUT_BYTES, draws, temperature)
+        return rows.ids[ids], logp, (probs if draws is not None else None)
 
     def heads(self, r: torch.Tensor) -> DraftOutput:
         """The per-row half of ``forward``: experts (or the dense MLP), router, blend and

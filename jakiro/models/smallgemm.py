@@ -226,15 +226,16 @@ def draft_mlp_head(r, norm, gate_up, down, inter, head, vocab, k, eps, input_byt
 
 def draft_chain(features, tokens, steps, embed, fc, fc_bias, in_norm, qkv, o, kv, past, cos_table, sin_table,
                 num_heads, num_kv_heads, scale, post_norm, gate_ups, downs, inter, router, con_router, head, head_ids,
-                eps, input_bytes=3):
+                eps, input_bytes=3, draws=None, temperature=1.0):
     """A draft's whole chain proposal in one call (``csrc/decoder.cpp``): the catch-up's attention
     over the rows committed since the last proposal, then ``steps`` times its MLP or first-ranked
-    expert, the head's best row and the next step's attention; with ``con_router`` also the
-    contrastive branch's token. See ``DraftModel.chain``."""
+    expert, the head's best row (or, with ``draws``, a row drawn from softmax(logits / temperature))
+    and the next step's attention; with ``con_router`` also the contrastive branch's token.
+    Returns (rows, log-probs, the distributions drawn from [steps, V] or empty). See ``DraftModel.chain``."""
     return torch.ops.jakiro_smallgemm.draft_chain(features, tokens, steps, embed, fc, fc_bias, in_norm, qkv, o, kv,
                                                   past, cos_table, sin_table, num_heads, num_kv_heads, scale,
                                                   post_norm, gate_ups, downs, inter, router, con_router, head,
-                                                  head_ids, eps, input_bytes)
+                                                  head_ids, eps, input_bytes, draws, temperature)
 
 
 def draft_experts_topk(r, norm, gate_ups, downs, inter, head, vocab, router, quotas, eps, input_bytes=3):

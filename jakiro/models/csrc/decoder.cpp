@@ -1023,17 +1023,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_experts_topk(
 // two experts), as one more token. Returns (head rows [steps (+ 1)], their log-probabilities):
 // what ``draft_attend``, then ``draft_mlp_head`` or ``draft_experts_topk`` with k = 1 and
 // ``draft_attend`` step by step give, without a return to the caller between them.
-std::tuple<at::Tensor, at::Tensor> draft_chain(
+// With ``draws`` (float64 uniforms in [0, 1), one per step) each step's token is drawn instead:
+// q = softmax(logits / temperature) over the head's rows goes to row s of the third result
+// [steps, V], and the token is the first row whose float64 running sum of q exceeds draws[s]
+// times the total (``sampling.sample_rows``); the log-probability returned is the best row's under
+// q (the draft's confidence), and a contrastive last token stays the branch's best row.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_chain(
     const at::Tensor& features, const at::Tensor& tokens, int64_t steps, const at::Tensor& embed, const at::Tensor& fc,
     const c10::optional<at::Tensor>& fc_bias, const at::Tensor& in_norm, const at::Tensor& qkv, const at::Tensor& o,
     const at::Tensor& kv, int64_t past, const at::Tensor& cos_table, const at::Tensor& sin_table, int64_t H,
     int64_t Hkv, double scale, const at::Tensor& post_norm, const std::vector<at::Tensor>& gate_ups,
     const std::vector<at::Tensor>& downs, int64_t inter, const c10::optional<at::Tensor>& router,
     const c10::optional<at::Tensor>& con_router, const at::Tensor& head, const at::Tensor& head_ids, double eps,
-    int64_t input_bytes) {
+    int64_t input_bytes, const c10::optional<at::Tensor>& draws, double temperature) {
   const int64_t d = post_norm.numel(), N = static_cast<int64_t>(gate_ups.size());
   TORCH_CHECK(features.dim() == 2 && features.size(0) >= 1, "draft_chain: features must be [m, d], m >= 1");
   TORCH_CHECK(steps >= 1, "draft_chain: at least one step");
+  TORCH_CHECK(!draws || (draws->dim() == 1 && draws->size(0) == steps && draws->scalar_type() == at::kDouble &&
+                         draws->is_contiguous() && temperature > 0),
+              "draft_chain: draws must be [steps] float64 uniforms, with a temperature > 0");
   TORCH_CHECK(post_norm.scalar_type() == at::kFloat && post_norm.is_contiguous(), "draft_chain: norm must be [d] float32");
   TORCH_CHECK(head_ids.dim() == 1 && head_ids.scalar_type() == at::kLong && head_ids.is_contiguous(),
               "draft_chain: head_ids must be [V] int64");
@@ -1064,6 +1072,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(
   past += m_rows;
   auto ids = at::empty({steps + con}, opts.dtype(at::kLong));
   auto logp = at::empty({steps + con}, opts);
+  auto probs = at::empty({draws ? steps : 0, V}, opts);
   int64_t* id = ids.data_ptr<int64_t>();
   float* lp = logp.data_ptr<float>();
   auto out = at::empty({1, d}, opts), logits = at::empty({1, V}, opts);
@@ -1074,6 +1083,26 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(
     jakiro::apply_linear(head, V, nullptr, x, 1, d, logits.data_ptr<float>(), input_bytes);
     top_k_logp(logits.data_ptr<float>(), V, 1, best.data(), id + j, lp + j);
   };
+  auto draw_row = [&](int64_t j) {  // after best_row(.., j): q into probs row j, the drawn row into id[j]
+    const float* z = logits.data_ptr<float>();
+    float* q = probs.data_ptr<float>() + j * V;
+    const float inv_t = static_cast<float>(1.0 / temperature), top = z[id[j]];
+    float sum = 0.f;
+    for (int64_t v = 0; v < V; ++v) sum += (q[v] = std::exp((z[v] - top) * inv_t));
+    const float inv = 1.f / sum;
+    double total = 0.0;
+    for (int64_t v = 0; v < V; ++v) total += (q[v] *= inv);
+    lp[j] = std::log(q[id[j]]);  // the best row's probability under q: the draft's confidence
+    const double u = draws->data_ptr<double>()[j] * total;
+    double run = 0.0;
+    int64_t pick = -1, last = id[j];
+    for (int64_t v = 0; v < V; ++v) {
+      if (q[v] > 0) last = v;
+      run += q[v];
+      if (run > u) { pick = v; break; }
+    }
+    id[j] = pick >= 0 ? pick : last;  // a draw that rounds up to the total: the last row of weight > 0
+  };
   for (int64_t s = 0; s < steps; ++s) {
     const float* rp = r.data_ptr<float>();
     if (rw) rank_experts(rp, post_norm.data_ptr<float>(), rw, N, d, static_cast<float>(eps), m.data(), order.data());
@@ -1081,6 +1110,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(
     std::memcpy(op, rp, d * sizeof(float));
     mlp_rows(op, 1, d, inter, eps, post_norm.data_ptr<float>(), gate_ups[order[0]], downs[order[0]], input_bytes, opts);
     best_row(op, s);
+    if (draws) draw_row(s);
     if (s + 1 < steps) {
       tok.data_ptr<int64_t>()[0] = head_ids.data_ptr<int64_t>()[id[s]];
       pos.data_ptr<int64_t>()[0] = past + s;
@@ -1101,7 +1131,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain(
       best_row(c.data(), steps);
     }
   }
-  return {ids, logp};
+  return {ids, logp, probs};
 }
 
 }  // namespace
@@ -1127,7 +1157,8 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
   m.def("draft_chain(Tensor features, Tensor tokens, int steps, Tensor embed, Tensor fc, Tensor? fc_bias, Tensor in_norm, Tensor qkv, "
         "Tensor o, Tensor kv, int past, Tensor cos_table, Tensor sin_table, int num_heads, int num_kv_heads, "
         "float scale, Tensor post_norm, Tensor[] gate_ups, Tensor[] downs, int inter, Tensor? router, "
-        "Tensor? con_router, Tensor head, Tensor head_ids, float eps, int input_bytes=3) -> (Tensor, Tensor)",
+        "Tensor? con_router, Tensor head, Tensor head_ids, float eps, int input_bytes=3, Tensor? draws=None, "
+        "float temperature=1.0) -> (Tensor, Tensor, Tensor)",
         draft_chain);
   m.def("draft_experts_topk(Tensor r, Tensor norm, Tensor[] gate_ups, Tensor[] downs, int inter, Tensor head, int V, "
         "Tensor router, int[] quotas, float eps, int input_bytes=3) -> (Tensor, Tensor, Tensor)",
