@@ -300,9 +300,6 @@ class DraftProposer(Proposer):
                 if draws is not None:  # each drawn node carries its distribution
                     tree.proposals = {j + 1: (self.head.ids, fused[2][j]) for j in range(min(steps, tree.size - 1))}
                 return tree
-            if params is not None:
-                r = self._attend_rows(feats, toks)
-                return self._propose_sampled_chain(context, r, self.cache.length, depth)
         r = self._attend_rows(feats, toks)
         base = self.cache.length  # = position of the root token
         if self.static is not None:
@@ -348,15 +345,20 @@ class DraftProposer(Proposer):
         node is the previous layer's only child and sees every scratch slot before it, so a draft
         step needs no mask and the tree no reranking (scores only fall along a chain: the best
         ``total_tokens`` candidates are its first ones). ``r``: the residual row of the root.
-        Same tree, a fraction of the bookkeeping (and of the expert work: ``_expand``).
+        Same tree, a fraction of the bookkeeping (and of the expert work: ``_expand``). A sampled
+        request's chain is drawn (``_drawn_step``); a contrastive last token stays the branch's best.
         (``propose`` runs it in one kernel call where it can: ``DraftModel.chain``.)"""
         contrastive = self.parallel and depth >= 2
         normal_layers = depth - 1 if contrastive else depth
         tokens: list[int] = []
         scores = [0.0]
+        proposals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in range(normal_layers):
             last = layer == normal_layers - 1
-            tok, logp, carried, out = self._expand(r, 1, need_out=last and contrastive)
+            if self._sampling is not None:
+                tok, logp, carried, out, proposals[len(tokens) + 1] = self._drawn_step(r, last and contrastive)
+            else:
+                tok, logp, carried, out = self._expand(r, 1, need_out=last and contrastive)
             tokens.append(int(tok))
             scores.append(scores[-1] + float(logp))
             if last:
@@ -365,56 +367,36 @@ class DraftProposer(Proposer):
                     tokens.append(int(con_tok))
                     scores.append(scores[-1] + float(con_logp))
                 break
-            r = self.draft.attend(carried.view(1, 1, -1), tok.view(1, 1), torch.tensor([base + layer]),
-                                  self.cache)
-            self.cache.commit(1)
-            self.draft_forwards += 1
-        self.cache.truncate(base)
-        return self._chain(context, tokens, scores)
-
-    def _propose_sampled_chain(self, context: list[int], r: torch.Tensor, base: int, depth: int) -> Tree:
-        """``_propose_chain`` with each token drawn from the draft's processed distribution over
-        its head (``set_sampling``) instead of its most likely one; the node carries that
-        distribution. The feature carried to the next step is the one ``_children`` carries (the
-        first activated expert's with decoupled candidates, the blend otherwise); a contrastive
-        last token stays the branch's most likely one."""
-        params, generator = self._sampling
-        contrastive = self.parallel and depth >= 2
-        normal_layers = depth - 1 if contrastive else depth
-        head = self.head
-        tokens: list[int] = []
-        scores = [0.0]
-        proposals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in range(normal_layers):
-            last = layer == normal_layers - 1
-            out = None
-            if self.mode == "blended" or (last and contrastive):
-                out = self.draft.heads(r)
-                feat = out.features[0, :, 0] if self.mode == "decoupled" else out.blend[0]  # [1, d]
-            else:
-                feat = self.draft.first_feature(r[0])
-            q = processed_probs(self.draft.head_logits(feat, head)[0], params)
-            i = sample(q, generator)
-            tokens.append(int(head.ids[i]))
-            # the score is the draft's confidence, as for a chain of its most likely tokens: a drawn
-            # token's own probability says little of its chance (min(1, p / q) is often 1 for an
-            # unlikely one), and scored by it the cost-aware cut left sampled chains unverified
-            scores.append(scores[-1] + math.log(float(q.max())))
-            proposals[len(tokens)] = (head.ids, q)
-            if last:
-                if contrastive:
-                    con_tok, con_logp = self._contrastive_children(out, torch.zeros(1, dtype=torch.long), 1)
-                    tokens.append(int(con_tok))
-                    scores.append(scores[-1] + float(con_logp))
-                break
-            r = self.draft.attend(feat.view(1, 1, -1), torch.tensor([[tokens[-1]]]), torch.tensor([base + layer]),
+            r = self.draft.attend(carried.view(1, 1, -1), torch.tensor([[tokens[-1]]]), torch.tensor([base + layer]),
                                   self.cache)
             self.cache.commit(1)
             self.draft_forwards += 1
         self.cache.truncate(base)
         tree = self._chain(context, tokens, scores)
-        tree.proposals = {node: proposal for node, proposal in proposals.items() if node < tree.size}
+        if proposals:
+            tree.proposals = {node: proposal for node, proposal in proposals.items() if node < tree.size}
         return tree
+
+    def _drawn_step(self, r: torch.Tensor, need_out: bool):
+        """A chain step of a sampled request from the residual row r [1, 1, d]: the token drawn
+        from the draft's processed distribution over its head (``set_sampling``), its score, the
+        feature it carries (``_children``'s: the first activated expert's with decoupled
+        candidates, the blend otherwise), the draft output (``need_out``, else None) and
+        (head ids, q), the distribution it was drawn from."""
+        params, generator = self._sampling
+        out = None
+        if self.mode == "blended" or need_out:
+            out = self.draft.heads(r)
+            feat = out.features[0, :, 0] if self.mode == "decoupled" else out.blend[0]  # [1, d]
+        else:
+            feat = self.draft.first_feature(r[0])
+        head = self.head
+        q = processed_probs(self.draft.head_logits(feat, head)[0], params)
+        i = sample(q, generator)
+        # the score is the draft's confidence, as for a chain of its most likely tokens: a drawn
+        # token's own probability says little of its chance (min(1, p / q) is often 1 for an
+        # unlikely one), and scored by it the cost-aware cut left sampled chains unverified
+        return int(head.ids[i]), math.log(float(q.max())), feat, out, (head.ids, q)
 
     def _chain(self, context: list[int], tokens: list[int], scores: list[float]) -> Tree:
         """The chain tree of a proposal's first ``total_tokens`` tokens, with their scores."""
