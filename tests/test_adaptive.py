@@ -320,6 +320,51 @@ def test_depth_follows_observed_acceptance(tiny):
     assert proposer.reach_probability()[0] > 0.9
 
 
+def test_an_idle_draft_is_tried_again_as_its_misses_go_stale(tiny):
+    """Outcomes fade with plain steps too: after a run of misses has made plain steps win, the
+    estimate drifts back toward the prior and the draft drafts again within a dozen steps, probes
+    aside. With outcomes fading only when the draft drafts, it would stay idle for good."""
+    def plain_steps_until_drafting(idle_forget):
+        proposer = make(tiny, CostTable({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9, 16: 5.0}, {d: 0.05 * d for d in range(1, 5)}))
+        proposer.idle_forget, proposer.probe_share = idle_forget, 0.0  # no probes
+        proposer.start(256)
+        proposer.reached[1:] = [0.5, 0.1, 0.0, 0.0]  # 20 recent cycles, depth 1 reached in 2.5 % of them
+        proposer.tried[1:] = [20.0, 0.5, 0.1, 0.0]
+        d = proposer.inner.draft.config.hidden_size
+        proposer.observe(torch.randn(8, d), torch.randint(0, 60, (8,)))
+        context = list(range(1, 9))
+        for step in range(200):
+            tree = proposer.propose(context)
+            if proposer.idle == 0:  # drafted (whatever the cut kept of it)
+                return step
+            assert tree.size == 1
+            context.append(7)
+            proposer.observe(torch.randn(1, d), torch.tensor([7]))
+        return None
+    steps = plain_steps_until_drafting(0.9)
+    assert steps is not None and 5 <= steps <= 30
+    assert plain_steps_until_drafting(1.0) is None
+
+
+def test_a_cycle_cut_to_nothing_counts_by_its_expected_outcome(tiny):
+    """A drafted chain whose nodes the cut all dropped was never verified: it counts by the
+    calibrated chances of its nodes (the prior here: 0.8 x the draft probability's bucket middle,
+    0.44 and 0.2), not as a cycle that reached nothing."""
+    from jakiro.decoding.adaptive import FORGET
+    from jakiro.decoding.tree import DRAFT
+    proposer = make(tiny, CHEAP_DRAFT)
+    proposer.start(64)
+    proposer.reached[1:] = [10.0, 5.0, 2.0, 1.0]
+    proposer.tried[1:] = [20.0, 10.0, 5.0, 2.0]
+    tree = chain_tree(1, [2, 3])
+    tree.scores = torch.tensor([0.0, math.log(0.55), math.log(0.25)])
+    tree.sources = torch.tensor([0, DRAFT, DRAFT])
+    proposer._count_unverified(tree)
+    # levels 1 and 2 tried (level 2 as often as level 1 is expected to be reached), not deeper ones
+    assert proposer.tried[1:] == pytest.approx([20 * FORGET + 1, 10 * FORGET + 0.44, 5 * FORGET, 2 * FORGET])
+    assert proposer.reached[1:] == pytest.approx([10 * FORGET + 0.44, 5 * FORGET + 0.2, 2 * FORGET, 1 * FORGET])
+
+
 @pytest.mark.parametrize("costs, method, overrides", [
     (FREE, "jakiro", {}),
     (DEAR, "jakiro", {}),

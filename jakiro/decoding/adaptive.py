@@ -20,10 +20,12 @@ cycles where the chain had not (a draft that proposes what the chain already hol
 and each option (a plain step included) is priced with the chain's best prefix for it;
 the chain's chances are kept apart by the length of the n-gram match that found it (a chain
 found by one matching token is right far less often than one found by three).
-While plain steps win, a probe after 4, 8, 16 ... plain steps drafts one level and verifies its
-best token in the step's forward, so a draft that starts predicting well is noticed; probes may
-cost at most 1.5 % of the plain steps before them (a short answer never pays for the draft reading
-its prompt). Decisions depend only on the fixed cost table and on this request's outcomes, so a
+Outcomes fade with every cycle, plain steps included, so while plain steps win the estimate
+drifts back toward the prior and drafting is tried again; a drafted cycle whose nodes were all cut
+counts by what its best nodes were expected to reach. Where even the prior does not pay, a probe
+after 4, 8, 16 ... plain steps drafts one level and verifies its best token in the step's forward,
+so a draft that starts predicting well is noticed; probes may cost at most 1.5 % of the plain steps
+before them (a short answer never pays for the draft reading its prompt). Decisions depend only on the fixed cost table and on this request's outcomes, so a
 seeded request decodes the same way every time in one process.
 Verification is untouched: any tree chosen before the target's forward keeps decoding lossless.
 """
@@ -59,6 +61,12 @@ DEPTH_PRIOR_FLOOR = 1.5  # of which this many stay; the rest fade with FORGET li
 # development prompts: 1.61 tokens expected per drafted cycle, 1.30 committed)
 FORGET = 0.9  # each drafted cycle's outcome weighs this much less per later one: a draft that did
 # well on an answer's opening words and not on the rest (a translation) is dropped within ~10 cycles
+IDLE_FORGET = 0.9  # ... and per plain step: what a drafted cycle showed goes stale with the tokens
+# committed since, drafted or not, so the estimate drifts back toward the prior while the draft is
+# idle and drafting resumes on its own. Fading only with drafted cycles, an answer's unsure opening
+# words (five misses) kept a draft that then accepts half its first tokens idle for the rest of a
+# short answer, with a probe every few dozen steps the only way back (the README's prompt on a Zen 4:
+# tau 1.00 against 1.54 with this fade)
 PRIOR_SHRINK = 0.8  # prior: a node is accepted with 0.8 x its draft probability
 PRIOR_DEPTH = 0.6  # prior: P(path gets past level i | it reached i - 1) = 0.6 (optimistic, so drafting is tried)
 DRAFT_MARGIN = 0.03  # drafting must promise this much more than not drafting: a drafted cycle's
@@ -334,6 +342,8 @@ class AdaptiveProposer(Proposer):
     of the chain as pays. ``adaptive=False`` keeps the draft's fixed tree (plus the lookup branch)."""
 
     needs_features = True
+    probe_share = PROBE_SHARE
+    idle_forget = IDLE_FORGET
 
     def __init__(self, inner: DraftProposer | None, target, costs: CostTable | None = None,
                  lookup: PromptLookupProposer | None = None, adaptive: bool = True,
@@ -548,6 +558,8 @@ class AdaptiveProposer(Proposer):
         depth = self.choose_depth(len(chain))
         if depth == 0:
             self.idle += 1
+            self.tried = [t * self.idle_forget for t in self.tried]
+            self.reached = [r * self.idle_forget for r in self.reached]
             self.plain_ms += self.costs.cycle(1 + len(chain), self.context_length)
             plain = self.prune(add_chain(chain_tree(context[-1], []), chain)) if chain else chain_tree(context[-1], [])
             if self.idle >= self.wait and self.inner and self._probe_affordable(plain.size):
@@ -564,12 +576,29 @@ class AdaptiveProposer(Proposer):
         # a sampled chain keeps its first token: once drafting is chosen, that token's chance is
         # what the depth estimate priced (its score, the draft's confidence, is a weak guide to
         # min(1, p / q)); cut to nothing and counted as a miss, it kept a draft idle at T = 1
-        tree = self.prune(tree, min_keep=1 if tree.proposals else 0, drafted=True)
+        proposed, tree = tree, self.prune(tree, min_keep=1 if tree.proposals else 0, drafted=True)
         drafted = sum(1 for source in tree.sources.tolist() if source & DRAFT)
         self.nodes[depth] = 0.7 * self.nodes[depth] + 0.3 * drafted
-        if drafted == 0:  # the draft was not confident enough to verify: a cycle that reached nothing
-            self._count(depth, 0)
+        if drafted == 0:  # the draft was not confident enough to verify anything
+            self._count_unverified(proposed)
         return tree
+
+    def _count_unverified(self, tree: Tree) -> None:
+        """A drafted cycle whose nodes were all cut: counted by what verifying it would have
+        reached on average (the calibrated chance of its best node per level, ``acceptance``), not
+        as a cycle that reached nothing. Counted as a miss, an answer's unsure opening words (a
+        few cut cycles in a row) drove the estimate below what pays and kept a draft that accepts
+        half of its first tokens idle for the rest of a short answer."""
+        est, depths, sources = self.acceptance(tree), tree.depths.tolist(), tree.sources.tolist()
+        best = [1.0] + [0.0] * max(depths)
+        for e, d, source in zip(est, depths, sources):
+            if d and source & DRAFT:
+                best[d] = max(best[d], e)
+        self.tried = [t * FORGET for t in self.tried]
+        self.reached = [r * FORGET for r in self.reached]
+        for i in range(1, min(len(best), len(self.tried))):
+            self.tried[i] += best[i - 1]
+            self.reached[i] += best[i]
 
     def _probe(self, context: list[int], plain: Tree) -> Tree:
         """The draft's most likely next token under the root, plus the lookup chain ``plain``
@@ -591,7 +620,7 @@ class AdaptiveProposer(Proposer):
         n_ctx = self.context_length
         cost = (self.costs.draft(1, n_ctx, self.inner.pending_rows)
                 + self.costs.target(plain_tokens + 1, n_ctx) - self.costs.target(plain_tokens, n_ctx))
-        if self.probe_ms + cost > PROBE_SHARE * self.plain_ms:
+        if self.probe_ms + cost > self.probe_share * self.plain_ms:
             return False
         self.probe_ms += cost
         return True
