@@ -281,9 +281,11 @@ class DraftModel(nn.Module):
     def mlp_head_topk(self, r: torch.Tensor, k: int, head: "DraftHead | int | None" = None):
         """EAGLE-2's MLP then the head's top-k, for residual rows r [n, d], in one call of the
         small-batch kernels: (features r + MLP [n, d], target token ids [n, k], log-probs [n, k]
-        over ``head``'s rows), or None where that path does not apply (training, no kernel)."""
+        over ``head``'s rows), or None where that path does not apply (training, no kernel, more
+        than one expert: the MLP is the only expert's)."""
         c = self.config
-        if self.training or torch.is_grad_enabled() or not smallgemm.available() or self.post_norm.dtype != torch.float32:
+        if (self.training or torch.is_grad_enabled() or not smallgemm.available() or len(self.gate_up) != 1
+                or self.post_norm.dtype != torch.float32):
             return None
         gate_up = self._fast_layer("gate_up0", (self.gate_up[0],)).kernel_weight
         down = self._fast_layer("down0", (self.down[0],)).kernel_weight
