@@ -244,6 +244,7 @@ def test_fused_experts_call_refuses_a_router_of_the_wrong_shape(tmp_path):
     r = torch.randn(1, 64)
     with torch.inference_mode():
         assert draft.experts_topk(r, [1, 1]) is not None  # the call itself works
+        assert draft.mlp_head_topk(r, 1) is None  # EAGLE-2's one-MLP path is not for several experts
         experts = [(draft._fast_layer(f"gate_up{e}", (draft.gate_up[e],)).kernel_weight,
                     draft._fast_layer(f"down{e}", (draft.down[e],)).kernel_weight) for e in range(2)]
         head = draft._head_of(None).layer
