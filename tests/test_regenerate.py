@@ -111,6 +111,109 @@ def test_regenerated_answers_equal_plain_greedy_answers(smol):
     assert stats.answers == 5 and stats.generated_tokens == sum(r["generated_tokens"] for r in records)
 
 
+def test_device_stack_regenerates_what_the_cpu_kernels_do(smol):
+    """The plain-torch stack a GPU regenerates with (``DeviceTarget``, here on the CPU) gives the
+    kernels' greedy answers and the same features (float16 and summation order apart)."""
+    from jakiro.models.device_target import DeviceTarget
+    settings = RegenSettings(max_len=160, max_new_tokens=20, batch=3, aux_layers=(3, 15))
+    runs = []
+    for target in (smol.target, DeviceTarget(smol.target_path, "cpu")):
+        records, kept = [], {}
+        Regenerator(target, smol.tokenizer, smol.engine("ar").eos_ids, settings,
+                    tokenize=lambda m: _training_ids(smol, m),
+                    collect=lambda rec, ids, mask, f: kept.__setitem__(rec["source_index"], (ids, f))).run(
+            iter(enumerate(CONVERSATIONS)), records.append)
+        runs.append(({r["source_index"]: r["messages"] for r in records}, kept))
+    (native, native_feats), (device, device_feats) = runs
+    assert device == native and sorted(device) == [0, 1, 2, 3]
+    for i, (ids, f) in native_feats.items():
+        assert device_feats[i][0] == ids and device_feats[i][1].device.type == "cpu"
+        assert f.shape == device_feats[i][1].shape == (len(ids), 3 * 576)
+        torch.testing.assert_close(device_feats[i][1].float(), f.float(), atol=5e-2, rtol=2e-3)
+
+
+def _training_ids(jk, messages):
+    from jakiro.train.dataset import tokenize_conversation
+    return tokenize_conversation(jk.tokenizer, messages, 160)
+
+
+def test_device_stack_samples_reproducibly(smol):
+    from jakiro.models.device_target import DeviceTarget
+    target = DeviceTarget(smol.target_path, "cpu")
+    outs = []
+    for seed in (3, 3, 4):
+        records = []
+        Regenerator(target, smol.tokenizer, smol.engine("ar").eos_ids,
+                    RegenSettings(mode="sample", max_len=96, max_new_tokens=16, batch=2, seed=seed)).run(
+            iter(enumerate(CONVERSATIONS[1:3])), records.append)
+        outs.append(sorted((r["source_index"], r["messages"][1]["content"]) for r in records))
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+    assert all(r["mode"] == "sample" for r in records)
+
+
+def test_data_on_the_device_stack_resumes_and_builds_features(tmp_path, monkeypatch):
+    """``jakiro data`` with a device (here the plain-torch path forced onto the CPU): it
+    regenerates with ``DeviceTarget``, computes features with ``FeatureModel``, equal to the
+    kernels' dataset; tokens-only keeps no features beside the file."""
+    import os
+
+    import jakiro.train.dataset as dataset
+    from jakiro.train.dataset import FEATURES_PREFIX, DataConfig, FeatureDataset, build_dataset
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    cfg = dict(source=str(src), max_len=96, regenerate="greedy", regen_max_tokens=12, regen_batch=3)
+    built = []
+    for folder in ("kernels", "dev"):  # each stopped after two conversations and resumed
+        if folder == "dev":
+            monkeypatch.setattr(dataset, "_uses_device_stack", lambda device: True)
+        build_dataset(str(tmp_path / folder), DataConfig(None, max_records=2, **cfg), progress=False)
+        built.append(build_dataset(str(tmp_path / folder), DataConfig(None, max_records=4, **cfg), progress=False))
+    assert built[0]["records"] == built[1]["records"] == 4
+    assert "features_from_regeneration" in built[1]
+    assert (tmp_path / "dev" / "regenerated.jsonl").read_text() == (tmp_path / "kernels" / "regenerated.jsonl").read_text()
+    a, b = FeatureDataset(str(tmp_path / "kernels")), FeatureDataset(str(tmp_path / "dev"))
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
+    torch.testing.assert_close(b.features.float(), a.features.float(), atol=2e-3, rtol=2e-3)
+    import shutil
+    shutil.copy(tmp_path / "dev" / "regenerated.jsonl", tmp_path / "copy.jsonl")  # features computed anew
+    copy = build_dataset(str(tmp_path / "copy"), DataConfig(None, source=str(tmp_path / "copy.jsonl"), max_len=96),
+                         progress=False)
+    assert "features_from_regeneration" not in copy and copy["feature_tokens_per_s"] > 0
+    c = FeatureDataset(str(tmp_path / "copy"))
+    assert torch.equal(a.ids, c.ids)
+    torch.testing.assert_close(c.features.float(), a.features.float(), atol=2e-3, rtol=2e-3)
+    build_dataset(str(tmp_path / "tok"), DataConfig(None, max_records=4, tokens_only=True, **cfg), progress=False)
+    assert not [n for n in os.listdir(tmp_path / "tok") if n.startswith(FEATURES_PREFIX)]
+
+
+def test_a_time_limit_stops_regeneration_and_the_same_command_continues(tmp_path):
+    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    src = tmp_path / "src.jsonl"
+    src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
+    cfg = dict(source=str(src), max_len=96, regenerate="greedy", regen_max_tokens=12, regen_batch=2,
+               max_records=4, tokens_only=True)
+    out = str(tmp_path / "data")
+    with pytest.raises(JakiroError, match="ran out before any conversation was finished; run the same command"):
+        build_dataset(out, DataConfig(None, regen_minutes=1e-9, **cfg), progress=False)
+    state = build_dataset(out, DataConfig(None, **cfg), progress=False)
+    assert state["records"] == 4 and state["regeneration_runs"][-1]["stopped_in_flight"] == 0
+    assert sorted(read_done(str(tmp_path / "data" / "regenerated.jsonl"))) == [0, 1, 2, 3]
+    assert len(FeatureDataset(out)) == 4
+    with pytest.raises(JakiroError, match="--regen-minutes must be >= 0"):
+        build_dataset(str(tmp_path / "neg"), DataConfig(None, regen_minutes=-1, **cfg), progress=False)
+
+
+@pytest.mark.parametrize("device, message", [("gpu0", "not a torch device"),
+                                             ("cuda", "no CUDA device is available")])
+def test_an_unusable_device_is_a_clear_error(device, message, tmp_path):
+    from jakiro.train.dataset import DataConfig, build_dataset
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(JakiroError, match=message):
+        build_dataset(str(tmp_path / "d"), DataConfig(None, regenerate="greedy", device=device), progress=False)
+    assert not (tmp_path / "d").exists()
+
+
 def test_prompt_too_long_for_the_budget_is_skipped(smol):
     settings = RegenSettings(max_len=64, max_new_tokens=8, batch=2)
     long = [{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "a"}]

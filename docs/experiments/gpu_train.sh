@@ -4,6 +4,11 @@
 #
 #   docs/experiments/gpu_train.sh STASH OUT [EAGLE2_MINUTES] [JAKIRO_MINUTES]
 #
+# REGEN_SEEDS="1 2" first answers the committed files' prompts again by sampling (one pass over
+# each of REGEN_SOURCES per seed, for at most REGEN_MINUTES and REGEN_RECORDS conversations each,
+# REGEN_BATCH at a time) on the GPU, trains on that text too, and leaves it in OUT as
+# regen-SOURCE-sSEED.jsonl.gz (to commit; `--source` rebuilds its datasets anywhere).
+#
 # STASH holds: SmolLM2-135M-Instruct.Q4_1.gguf (or gguf.xz.* pieces of its xz stream), tok.tar.xz
 # (the runs/tok/* folders of `jakiro data --tokens-only`, see data/self-distilled/README.md),
 # eagle2-init/ (the EAGLE-2 draft to continue) and, where the gguf package is missing, its wheel.
@@ -19,8 +24,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 GGUF=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$STASH/SmolLM2-135M-Instruct.Q4_1.gguf" ] && GGUF=$STASH/SmolLM2-135M-Instruct.Q4_1.gguf || cat "$STASH"/gguf.xz.* | xz -d > $GGUF
 sha256sum $GGUF
-# the folder name is the target's name that drafts record (the default target's, as converted here)
-TGT=/tmp/targets/SmolLM2-135M-Instruct.Q4_1-a1c49f29a9
+# the folder name is the target's name that datasets and drafts record (the GGUF's, as `jakiro`
+# names its conversion anywhere: the runs/tok datasets in the stash name the same one)
+TGT=/tmp/targets/$(python3 -c "from jakiro.models.hub import converted_name; print(converted_name('$GGUF'))")
 [ -f $TGT/config.json ] || python3 -c "from jakiro.models.hub import convert_gguf; convert_gguf('$GGUF', '$TGT')" || exit 1
 # the same features as on the CPU that built the shipped drafts (mean |x| of the final feature and of
 # the streams after layers 3 and 15 on fixed tokens): 0.966963 2.106754 4.614119
@@ -35,6 +41,20 @@ sys.exit(0 if all(abs(a - b) < 1e-4 * b for a, b in zip(got, (0.966963, 2.106754
 PY
 mkdir -p /tmp/tok && tar xJf "$STASH/tok.tar.xz" -C /tmp/tok
 DATA=$(echo /tmp/tok/{greedy,tasks3-greedy,tasks4-greedy,tasks5-greedy,tasks-greedy,tasks2-greedy,sample} | tr ' ' ,)
+mkdir -p "$OUT"
+for seed in ${REGEN_SEEDS:-}; do
+  for src in ${REGEN_SOURCES:-greedy tasks-greedy tasks2-greedy}; do
+    # the committed files' prompts passed the evaluation filter when they were made (and its
+    # question packages may be missing here)
+    python3 -m jakiro data --target $TGT --device $DEVICE --source data/self-distilled/smollm2-135m-instruct-$src.jsonl.gz \
+        --regenerate sample --seed $seed --max-records ${REGEN_RECORDS:-100000} --max-len 512 --regen-max-tokens 384 \
+        --regen-batch ${REGEN_BATCH:-256} --regen-minutes ${REGEN_MINUTES:-2} --tokens-only --aux-layers 3,15 --no-eval-filter \
+        --out /tmp/tok/regen-$src-s$seed 2>&1 | tr '\r' '\n' | grep -v '^regenerate: ' | tail -3
+    [ -f /tmp/tok/regen-$src-s$seed/state.json ] || continue
+    gzip -c /tmp/tok/regen-$src-s$seed/regenerated.jsonl > "$OUT/regen-$src-s$seed.jsonl.gz"
+    DATA=$DATA,/tmp/tok/regen-$src-s$seed
+  done
+done
 export TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1  # the draft and the on-the-fly features in TF32
 COMMON="--target $TGT --data $DATA --aux-layers 3,15 --device $DEVICE --batch-size $BATCH --unroll 4 --lr 5e-4 --warmup 30 --steps 100000 --eval-every 400 --checkpoint-every 200 ${EXTRA:-}"
 ship() {  # run folder -> $OUT/NAME.tar (all but the weights) and $OUT/NAME.model.* (16 MB pieces)

@@ -42,6 +42,7 @@ class RegenSettings:
     top_p: float = 0.95
     seed: int = 0
     aux_layers: tuple[int, ...] = ()  # mid-layer streams kept with the features (``TargetModel.forward``)
+    max_seconds: float = 0.0  # stop after this long (0: no limit), dropping the conversations in flight
 
 
 @dataclass
@@ -56,6 +57,7 @@ class RegenStats:
     reused_prompt_tokens: int = 0  # a later turn's prompt tokens already in the slot (not prefilled again)
     feature_tokens_reused: int = 0  # training tokens whose features came out of the generation's forwards
     feature_tokens_computed: int = 0  # ... and those computed after the conversation ended
+    stopped_in_flight: int = 0  # conversations dropped unfinished when the time limit came
     seconds: float = 0.0
 
     @property
@@ -124,7 +126,9 @@ class Regenerator:
                  collect: Collect | None = None):
         self.target, self.tokenizer, self.eos_ids, self.s = target, tokenizer, eos_ids, settings
         self.sampling = SamplingParams(settings.temperature, settings.top_p)
-        self.generator = torch.Generator().manual_seed(settings.seed)
+        # on the target's device (a ``DeviceTarget`` keeps its logits there)
+        self.device = getattr(target, "device", torch.device("cpu"))
+        self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
         self.stats = RegenStats()
         self.tokenize, self.collect = tokenize, collect
         # mid-layer streams are asked of the target only where features are collected
@@ -140,27 +144,30 @@ class Regenerator:
         cache = self.target.new_batch_cache(B, s.max_len + 1)
         if self.collect is not None:
             width = (1 + len(self.aux_layers)) * self.target.config.hidden_size
-            self.slot_features = torch.zeros(B, s.max_len + 1, width, dtype=torch.float16)
+            self.slot_features = torch.zeros(B, s.max_len + 1, width, dtype=torch.float16, device=self.device)
         slots: list[_Conversation | None] = [None] * B
         tokens = torch.zeros(B, dtype=torch.long)
         t0 = time.perf_counter()
         for b in range(B):
             self._refill(b, slots, cache, tokens, jobs, write)
-        rows = torch.arange(B)
+        rows = torch.arange(B, device=self.device)
         while any(slots):
+            if s.max_seconds and time.perf_counter() - t0 > s.max_seconds:
+                self.stats.stopped_in_flight = sum(c is not None for c in slots)
+                break
             logits, features = self.target.decode_batch(tokens, cache, self.aux_layers)  # [B, vocab], [B, width]
             if self.slot_features is not None:
-                self.slot_features[rows, cache.lengths] = half_features(features)
+                self.slot_features[rows, cache.lengths.to(self.device)] = half_features(features)
             cache.advance()
-            chosen = self._choose(logits, slots)
+            chosen = self._choose(logits, slots).tolist()
             fed = tokens.tolist()
             for b, conv in enumerate(slots):
                 if conv is None:
                     cache.set_length(b, 0)
                     continue
                 conv.fed.append(fed[b])
-                if self._accept(conv, int(chosen[b])):
-                    tokens[b] = int(chosen[b])
+                if self._accept(conv, chosen[b]):
+                    tokens[b] = chosen[b]
                 else:
                     self._next_turn(b, slots, cache, tokens, jobs, write)
             self.stats.seconds = time.perf_counter() - t0
@@ -282,7 +289,7 @@ class Regenerator:
             features = torch.cat((features, half_features(rest)))
             self.stats.feature_tokens_computed += len(ids) - common
         self.stats.feature_tokens_reused += common
-        self.collect(record, ids, mask, features.clone())
+        self.collect(record, ids, mask, features.to("cpu", copy=True))
 
     def _refill(self, b, slots, cache, tokens, jobs, write) -> None:
         for index, messages in jobs:

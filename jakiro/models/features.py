@@ -24,7 +24,10 @@ class FeatureModel(torch.nn.Module):
     """features(ids [B, T]) -> [B, T, (1 + A) d]: the final norm's output, then the residual
     stream after each of ``aux_layers`` decoder layers, the layout ``TargetModel.forward`` gives."""
 
-    def __init__(self, folder: str, aux_layers: tuple[int, ...] = (), device: str | torch.device = "cpu"):
+    def __init__(self, folder: str, aux_layers: tuple[int, ...] = (), device: str | torch.device = "cpu",
+                 with_head: bool = False):
+        """``with_head``: also keep the LM head as ``head`` (the embedding where they are tied), for
+        generation (``DeviceTarget``)."""
         super().__init__()
         from transformers import AutoConfig
         hf_config = AutoConfig.from_pretrained(folder)
@@ -54,6 +57,11 @@ class FeatureModel(torch.nn.Module):
                       take(p + "mlp.down_proj.weight")):
                 self.weights.append(torch.nn.Parameter(w, requires_grad=False))
         self.norm = torch.nn.Parameter(take("norm.weight"), requires_grad=False)
+        self.head: torch.Tensor | torch.nn.Parameter | None = None
+        if with_head:
+            untied = "lm_head.weight" in state and not cfg.tie_word_embeddings
+            self.head = (torch.nn.Parameter(state["lm_head.weight"].float(), requires_grad=False) if untied
+                         else self.embed)
         cos, sin = rope_tables(hf_config, cfg.head_dim, cfg.max_context)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -63,9 +71,11 @@ class FeatureModel(torch.nn.Module):
     def width(self) -> int:
         return (1 + len(self.aux_layers)) * self.config.hidden_size
 
-    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Layer i's rotated q [B, T, H, D], k and v [B, T, Hkv, D] of x [B, T, d]; cos, sin
+        broadcast against [B, T, 1, D]."""
         cfg = self.config
-        in_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, post_norm, gate_up, down = self.weights[9 * i: 9 * i + 9]
+        in_norm, qkv_w, qkv_b, q_norm, k_norm = self.weights[9 * i: 9 * i + 5]
         B, T, d = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = F.rms_norm(x, (d,), in_norm, cfg.rms_norm_eps)
@@ -78,11 +88,24 @@ class FeatureModel(torch.nn.Module):
         half = D // 2
         q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
         k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, scale=D ** -0.5, enable_gqa=H != Hkv)
-        x = x + F.linear(o.transpose(1, 2).reshape(B, T, H * D), o_w)
+        return q, k, v
+
+    def attention_output_and_mlp(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The rest of layer i after attention: x [B, T, d], the heads' outputs o [B, H, T, D]."""
+        cfg = self.config
+        o_w, post_norm, gate_up, down = self.weights[9 * i + 5: 9 * i + 9]
+        B, T, d = x.shape
+        x = x + F.linear(o.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim), o_w)
         gate, up = F.linear(F.rms_norm(x, (d,), post_norm, cfg.rms_norm_eps), gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, down)
+
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        q, k, v = self.attention_inputs(i, x, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, scale=cfg.head_dim ** -0.5,
+                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        return self.attention_output_and_mlp(i, x, o)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,19 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     _log("conversion done")
 
 
+def converted_name(gguf: str) -> str:
+    """The folder name of a GGUF file's conversion, which datasets and drafts record as the
+    target's name: the file's stem and a hash of its size and first and last MiB, so the same
+    file gets the same name wherever it is installed (and a changed file a new one)."""
+    size = os.path.getsize(gguf)
+    key = hashlib.sha256(str(size).encode())
+    with open(gguf, "rb") as f:
+        key.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        key.update(f.read(1 << 20))
+    return f"{os.path.splitext(os.path.basename(gguf))[0]}-{key.hexdigest()[:10]}"
+
+
 def resolve_target(target: str | None = None, cache: str | None = None) -> str:
     """Return a local Hugging Face folder for ``target`` (None = the default model)."""
     if target is None:
@@ -78,10 +91,7 @@ def resolve_target(target: str | None = None, cache: str | None = None) -> str:
         if not os.access(target, os.R_OK):
             raise JakiroError(f"cannot read {target}")
         gguf = target
-    st = os.stat(gguf)
-    key = hashlib.sha256(f"{os.path.abspath(gguf)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:10]
-    stem = os.path.splitext(os.path.basename(gguf))[0]
-    out_dir = os.path.join(cache_dir(cache), "targets", f"{stem}-{key}")
+    out_dir = os.path.join(cache_dir(cache), "targets", converted_name(gguf))
     if not os.path.exists(os.path.join(out_dir, "config.json")):
         os.makedirs(os.path.dirname(out_dir), exist_ok=True)
         convert_gguf(gguf, out_dir)

@@ -67,11 +67,11 @@ class BatchKVCache:
     sequence then has its own length, and attention masks each slot past its own end."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, batch: int, max_len: int,
-                 dtype: torch.dtype = torch.float32):
-        # [layers, 2 (k/v), batch, kv_heads, max_len, head_dim]
-        self.data = torch.zeros(num_layers, 2, batch, num_kv_heads, max_len, head_dim, dtype=dtype)
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        # [layers, 2 (k/v), batch, kv_heads, max_len, head_dim] on ``device``
+        self.data = torch.zeros(num_layers, 2, batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.max_len = max_len
-        self.lengths = torch.zeros(batch, dtype=torch.long)  # [batch]
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # [batch], on the CPU (the caller's bookkeeping)
 
     @property
     def batch(self) -> int:
@@ -94,17 +94,18 @@ class BatchKVCache:
         """Store one new entry per slot, k, v [batch, kv_heads, head_dim], at each slot's length;
         return views [batch, kv_heads, max(lengths) + 1, head_dim]."""
         self.check_room()
-        rows = torch.arange(self.batch)
+        device = self.data.device
+        rows, lengths = torch.arange(self.batch, device=device), self.lengths.to(device)
         layer_kv = self.data[layer]
-        layer_kv[0, rows, :, self.lengths] = k
-        layer_kv[1, rows, :, self.lengths] = v
+        layer_kv[0, rows, :, lengths] = k
+        layer_kv[1, rows, :, lengths] = v
         end = int(self.lengths.max()) + 1
         return layer_kv[0, :, :, :end], layer_kv[1, :, :, :end]
 
     def attention_mask(self) -> torch.Tensor:
         """[batch, 1, 1, max(lengths) + 1] bool: each slot sees its prefix and its new entry."""
         end = int(self.lengths.max()) + 1
-        return (torch.arange(end) <= self.lengths[:, None]).view(self.batch, 1, 1, end)
+        return (torch.arange(end) <= self.lengths[:, None]).view(self.batch, 1, 1, end).to(self.data.device)
 
     def advance(self) -> None:
         self.lengths += 1

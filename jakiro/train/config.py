@@ -55,6 +55,8 @@ class DataConfig:
     regen_max_tokens: int = _opt(256, "longest regenerated answer, in tokens")
     seed: int = _opt(0, "seed of sampled regeneration")
     regen_batch: int = _opt(32, "conversations regenerated together")
+    regen_minutes: float = _opt(0.0, "stop regenerating after about this long (0: no limit); the conversations "
+                                     "then in flight are dropped, and the same command continues later")
     sample_share: float = _opt(0.0, "with --regenerate greedy: share of conversations answered by sampling "
                                     "(T 0.8, top-p 0.95)")
     filter_evaluation: bool = _opt(True, "drop conversations that touch MT-bench, Spec-Bench or HumanEval prompts")
@@ -66,10 +68,15 @@ class DataConfig:
     tokens_only: bool = _opt(False, "store tokens and loss masks only, no features: `jakiro train` then computes "
                                     "the features with the target on the fly (on a GPU, cheaper than storing "
                                     "them; --aux-layers still names the streams the draft will read)")
+    device: str = _opt("", "where the target regenerates answers and computes features: cpu (its own kernels) "
+                           "or a torch device such as cuda, where the same decoder stack runs in plain torch "
+                           "(default: cuda when available, else cpu)")
 
     def check(self) -> None:
         """Refuse settings that cannot build a dataset (the command line and the API alike)."""
         _at_least_one(self, ("max_records", "max_len", "shard_size", "regen_max_tokens", "regen_batch"))
+        if not self.regen_minutes >= 0:
+            raise JakiroError(f"--regen-minutes must be >= 0, got {self.regen_minutes}")
         if not 0 <= self.sample_share <= 1:
             raise JakiroError(f"--sample-share must be in [0, 1], got {self.sample_share}")
         if self.regenerate not in ("none", "greedy", "sample"):
@@ -79,16 +86,30 @@ class DataConfig:
         if self.first_record < 0:
             raise JakiroError(f"--first-record must be >= 0, got {self.first_record}")
         parse_layers(self.aux_layers)
+        self.torch_device()
         if self.first_record and self.regenerate != "none":
             raise JakiroError("--first-record applies to a source read as it is; with --regenerate, "
                               "--max-records already continues the regenerated file")
         if self.source != "sharegpt" and task_passage(self.source) is None and not os.path.isfile(self.source):
             raise JakiroError(f"dataset not found: {self.source}")
 
+    def torch_device(self):
+        """The device of ``device`` (cuda when available for ''); refused when absent here."""
+        import torch
+        name = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise JakiroError(f"--device {self.device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise JakiroError(f"--device {self.device}: no CUDA device is available here")
+        return device
+
     def regen_settings(self):
         from ..data.regenerate import RegenSettings
         return RegenSettings(mode=self.regenerate, max_len=self.max_len, max_new_tokens=self.regen_max_tokens,
                              batch=self.regen_batch, sample_share=self.sample_share, seed=self.seed,
+                             max_seconds=60 * self.regen_minutes,
                              aux_layers=parse_layers(self.aux_layers))
 
 

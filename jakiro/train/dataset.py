@@ -70,11 +70,14 @@ FEATURES_PREFIX = "regenerated-features-"  # features that came out of the regen
 FEATURE_GROUP = 64  # conversations per such file
 
 
-def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, progress: bool = True) -> dict:
+def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, progress: bool = True,
+                             target=None) -> dict:
     """Append the target's own answers to ``cfg.source``'s conversations to ``path`` (JSONL)
     until it holds ``cfg.max_records`` conversations; resumes from what the file holds. The
     features of each finished conversation, taken in the same forwards, are kept next to it
-    (``FEATURES_PREFIX`` files, keyed by the line), so the dataset pass need not compute them."""
+    (``FEATURES_PREFIX`` files, keyed by the line), so the dataset pass need not compute them
+    (not for a tokens-only dataset). ``target``: what generates (default ``jk.target``; a
+    ``DeviceTarget`` on a GPU)."""
     from tqdm import tqdm
 
     from ..data.regenerate import Regenerator, read_done
@@ -106,8 +109,8 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
             _write_feature_group(folder, group)
 
     tokenize = lambda messages: tokenize_conversation(jk.tokenizer, messages, cfg.max_len)  # noqa: E731
-    regen = Regenerator(jk.target, jk.tokenizer, jk.engine("ar").eos_ids, cfg.regen_settings(),
-                        tokenize=tokenize, collect=collect)
+    regen = Regenerator(target if target is not None else jk.target, jk.tokenizer, jk.engine("ar").eos_ids,
+                        cfg.regen_settings(), tokenize=tokenize, collect=None if cfg.tokens_only else collect)
     bar = tqdm(total=cfg.max_records, initial=written, desc="regenerate", unit="conv", disable=not progress)
     with open(path, "a", encoding="utf-8") as f:
         def write(record: dict) -> None:
@@ -235,20 +238,27 @@ def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progr
     from ..api import load
 
     cfg.check()
+    device = cfg.torch_device()
     jk = load(cfg.target, cache_dir=cache_dir)
     if not getattr(jk.tokenizer, "chat_template", None):
         raise JakiroError("the target's tokenizer has no chat template; cannot build chat training data")
     created = not os.path.exists(out)
     os.makedirs(out, exist_ok=True)
     try:
-        return _build_in(out, cfg, jk, progress)
+        return _build_in(out, cfg, jk, progress, device)
     except BaseException:
         if created and not os.listdir(out):  # a failed first attempt leaves no empty folder behind
             os.rmdir(out)
         raise
 
 
-def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
+def _uses_device_stack(device: torch.device) -> bool:
+    """Whether regeneration and features run the decoder stack in plain torch on ``device``
+    (``DeviceTarget``, ``FeatureModel``) rather than the CPU's kernels (``TargetModel``)."""
+    return device.type != "cpu"
+
+
+def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.device) -> dict:
     from tqdm import tqdm
 
     target, tokenizer = jk.target, jk.tokenizer
@@ -278,14 +288,23 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
     source = cfg.source
     if cfg.regenerate != "none":
         source = os.path.join(out, REGENERATED_FILE)
+        generator = None
+        if _uses_device_stack(device):
+            from ..models.device_target import DeviceTarget
+            generator = DeviceTarget(jk.target_path, device)
         state.setdefault("regeneration_runs", []).append(
-            regenerate_conversations(jk, cfg, source, prompt_filter, progress))
+            regenerate_conversations(jk, cfg, source, prompt_filter, progress, generator))
+        del generator
         prompt_filter = None  # the regenerated file holds admitted conversations only
     skipped: list[int] | None = [] if cfg.skip_bad and cfg.regenerate == "none" else None
     # the features a regeneration kept beside its file (here, or beside a --source that is one)
     generated = (_GeneratedFeatures(os.path.dirname(source))
                  if os.path.basename(source) == REGENERATED_FILE and not cfg.tokens_only else None)
     records = _admitted(source, prompt_filter, skipped)
+    featurizer = None
+    if _uses_device_stack(device) and not cfg.tokens_only:
+        from ..models.features import FeatureModel
+        featurizer = FeatureModel(jk.target_path, aux_layers, device)
     for _ in range(cfg.first_record):  # conversations left to another dataset
         if next(records, None) is None:
             raise JakiroError(f"{cfg.source} holds fewer than {cfg.first_record} records: "
@@ -316,8 +335,11 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         feats = generated.get(item[0], ids, width) if generated is not None else None
         if feats is None and not cfg.tokens_only:
             with torch.inference_mode():
-                cache = target.new_cache(len(ids))
-                _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0), aux_layers=aux_layers)
+                if featurizer is not None:
+                    feats = featurizer(torch.tensor([ids], device=device))[0].cpu()
+                else:
+                    cache = target.new_cache(len(ids))
+                    _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0), aux_layers=aux_layers)
             feature_tokens += len(ids)
         elif feats is not None:
             state["features_from_regeneration"] = state.get("features_from_regeneration", 0) + 1
@@ -330,6 +352,9 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool) -> dict:
         _flush(out, state, pending, consumed, counts)
     bar.close()
     if state["records"] == 0:
+        if state.get("regeneration_runs") and state["regeneration_runs"][-1].get("stopped_in_flight"):
+            raise JakiroError(f"--regen-minutes {cfg.regen_minutes} ran out before any conversation was "
+                              f"finished; run the same command again (with more minutes) to continue")
         raise JakiroError(f"no usable conversations in {cfg.source}")
     seconds = time.time() - t0
     state["seconds"] = state.get("seconds", 0) + seconds
