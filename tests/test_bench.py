@@ -81,6 +81,17 @@ def test_bench_summary_is_consistent_and_plots_are_written(tmp_path, tiny_chat_t
     assert len(lines) == 3 and len(json.loads(lines[0])["turns"]) == 2
 
 
+def test_a_tree_budget_fixes_the_drafts_tree_beside_the_baselines(tmp_path, tiny_chat_target, tiny_draft):
+    from jakiro.bench.runner import BenchConfig, run_bench
+    cfg = BenchConfig(write_questions(tmp_path / "q.jsonl"), ["ar", "pld", "jakiro"], {"jakiro": tiny_draft},
+                      max_new_tokens=8, out=str(tmp_path / "out"), target=tiny_chat_target, warmup=0,
+                      depth=3, tree_top_k=2, total_tokens=5)
+    methods = run_bench(cfg, progress=False)["methods"]
+    assert methods["jakiro"]["all"]["plain_steps"] == 0  # the user's tree: drafted every cycle
+    assert methods["ar"]["all"]["tau"] == 1.0 and methods["pld"]["all"]["greedy_match"] == 1.0
+    assert methods["jakiro"]["all"]["greedy_match"] == 1.0
+
+
 def test_malformed_question_file_names_the_line(tmp_path):
     from jakiro.data.questions import read_questions
     bad = tmp_path / "q.jsonl"

@@ -121,7 +121,9 @@ class _Answerer:
             if "tree" in options:
                 options = dict(options, tree=cfg.static_tree)
             draft = cfg.drafts.get(m) or cfg.drafts.get(method.removesuffix("+pld"))
-            self.engines[m] = jk.add_method(method, draft, budget, cache_dir=cfg.cache_dir, **options)
+            # the tree options are the drafts' (the baselines run beside them as they are)
+            self.engines[m] = jk.add_method(method, draft, budget if method not in ("ar", "pld") else None,
+                                            cache_dir=cfg.cache_dir, **options)
         self.hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
 
     def cost_tables(self) -> dict:
