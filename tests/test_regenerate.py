@@ -186,6 +186,50 @@ def test_data_on_the_device_stack_resumes_and_builds_features(tmp_path, monkeypa
     assert not [n for n in os.listdir(tmp_path / "tok") if n.startswith(FEATURES_PREFIX)]
 
 
+def test_the_target_writes_its_own_prompts_and_answers_them(smol, tmp_path):
+    """``--source target-prompts``: each user turn is sampled from the chat template's user header
+    alone, then answered as any other (greedy: the plain greedy answer to that prompt); a resumed
+    run continues without repeating a prompt; the evaluation filter sees every written prompt."""
+    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    cfg = dict(source="target-prompts", regenerate="greedy", regen_max_tokens=12, regen_batch=2, max_len=160,
+               tokens_only=True)
+    out = tmp_path / "data"
+    first = build_dataset(str(out), DataConfig(None, max_records=3, **cfg), progress=False)
+    state = build_dataset(str(out), DataConfig(None, max_records=5, **cfg), progress=False)
+    records = [json.loads(x) for x in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert len(records) == 5 == state["records"] == len(FeatureDataset(str(out)))
+    prompts = [r["messages"][0]["content"] for r in records]
+    assert len(set(prompts)) == 5 and all(p.strip() for p in prompts)
+    engine = smol.engine("ar")
+    for r in records[:2]:
+        user, answer = r["messages"]
+        assert user["role"] == "user" and answer["role"] == "assistant" and r["mode"] == "greedy"
+        assert answer["content"] == engine.generate([user], 12).text
+    runs = [first["regeneration_runs"][-1], state["regeneration_runs"][-1]]
+    assert sum(r["prompts_written"] for r in runs) >= 5 and all("removed_evaluation" in r for r in runs)
+    assert sum(r["generated_tokens"] for r in runs) == sum(r["generated_tokens"] for r in records)
+
+
+def test_prompts_the_filter_refuses_never_enter_and_an_endless_refusal_stops(smol, tmp_path, monkeypatch):
+    from jakiro.data.decontaminate import PromptFilter
+    from jakiro.train.dataset import DataConfig, build_dataset
+    seen = []
+    records, dropped = [], []
+    Regenerator(smol.target, smol.tokenizer, smol.engine("ar").eos_ids,
+                RegenSettings(max_len=128, max_new_tokens=8, batch=2),
+                admit=lambda messages: seen.append(messages) or False).run(
+        iter(enumerate([[{"role": "user", "content": None}, {"role": "assistant", "content": ""}]] * 3)),
+        records.append, dropped=dropped.append)
+    assert records == [] and sorted(dropped) == [0, 1, 2] and len(seen) <= 3
+    assert all(m[-1]["role"] == "user" and m[-1]["content"] for m in seen)
+    monkeypatch.setattr(PromptFilter, "admit", lambda self, messages: False)
+    monkeypatch.setattr("jakiro.train.dataset.DROPS_IN_A_ROW", -15)  # 5 with one slot
+    with pytest.raises(JakiroError, match="in a row ended without an answer"):
+        build_dataset(str(tmp_path / "d"), DataConfig(None, source="target-prompts", regenerate="greedy",
+                                                      regen_max_tokens=8, regen_batch=1, max_len=96,
+                                                      max_records=2, tokens_only=True), progress=False)
+
+
 def test_a_time_limit_stops_regeneration_and_the_same_command_continues(tmp_path):
     from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
     src = tmp_path / "src.jsonl"
@@ -234,6 +278,25 @@ def test_prompt_filter_removes_evaluation_questions_and_duplicates():
     assert f.admit(convo("How do I bake bread at home?"))
     assert not f.admit(convo("how do I bake bread at home"))  # same first turn
     assert (f.contaminated, f.duplicates) == (2, 1)
+
+
+def test_a_saved_evaluation_filter_refuses_what_the_packages_do(tmp_path, monkeypatch):
+    """Where the question packages are missing (a GPU machine), their digests, saved without any
+    prompt text, filter the same conversations."""
+    from jakiro.data.decontaminate import FILTER_ENV, evaluation_filter, save_evaluation_filter
+    path = tmp_path / "filter.json"
+    assert save_evaluation_filter(str(path)) == len(evaluation_prompts())
+    mt = read_questions(mtbench_path())[2]["turns"][0]
+    assert normalise_text(mt)[:40] not in path.read_text()  # digests only
+    monkeypatch.setenv(FILTER_ENV, str(path))
+    f = evaluation_filter()
+    convo = lambda text: [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]  # noqa: E731
+    words = normalise_text(mt).split()
+    assert not f.admit(convo(mt.lower())) and not f.admit(convo("so: " + " ".join(words[1:15])))
+    assert f.admit(convo("How do I bake bread at home?")) and f.contaminated == 2
+    path.write_text("{not json")
+    with pytest.raises(JakiroError, match=f"{FILTER_ENV}=.*not an evaluation filter file"):
+        evaluation_filter()
 
 
 def test_truncated_answer_end_of_turn_is_not_a_training_target(smol):

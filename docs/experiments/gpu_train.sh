@@ -4,10 +4,14 @@
 #
 #   docs/experiments/gpu_train.sh STASH OUT [EAGLE2_MINUTES] [JAKIRO_MINUTES]
 #
-# REGEN_SEEDS="1 2" first answers the committed files' prompts again by sampling (one pass over
-# each of REGEN_SOURCES per seed, for at most REGEN_MINUTES and REGEN_RECORDS conversations each,
-# REGEN_BATCH at a time) on the GPU, trains on that text too, and leaves it in OUT as
-# regen-SOURCE-sSEED.jsonl.gz (to commit; `--source` rebuilds its datasets anywhere).
+# REGEN_SEEDS="1 2" first regenerates new text on the GPU, one run per seed and entry of
+# REGEN_SOURCES (for at most REGEN_MINUTES and REGEN_RECORDS conversations each, REGEN_BATCH at a
+# time), trains on it too, and leaves it in OUT as regen-SOURCE-sSEED.jsonl.gz (to commit:
+# `--source` rebuilds its datasets anywhere). Entries: target-prompts (the default: the target
+# writes user turns itself and answers them greedily; needs STASH/evaluation-filter.json, made
+# where the question packages are installed with `python -c "from jakiro.data.decontaminate
+# import save_evaluation_filter as s; s('evaluation-filter.json')"`), or the name of a committed
+# file (greedy, tasks-greedy, ...: its prompts answered again by sampling).
 #
 # STASH holds: SmolLM2-135M-Instruct.Q4_1.gguf (or gguf.xz.* pieces of its xz stream), tok.tar.xz
 # (the runs/tok/* folders of `jakiro data --tokens-only`, see data/self-distilled/README.md),
@@ -43,13 +47,18 @@ mkdir -p /tmp/tok && tar xJf "$STASH/tok.tar.xz" -C /tmp/tok
 DATA=$(echo /tmp/tok/{greedy,tasks3-greedy,tasks4-greedy,tasks5-greedy,tasks-greedy,tasks2-greedy,sample} | tr ' ' ,)
 mkdir -p "$OUT"
 for seed in ${REGEN_SEEDS:-}; do
-  for src in ${REGEN_SOURCES:-greedy tasks-greedy tasks2-greedy}; do
-    # the committed files' prompts passed the evaluation filter when they were made (and its
-    # question packages may be missing here)
-    python3 -m jakiro data --target $TGT --device $DEVICE --source data/self-distilled/smollm2-135m-instruct-$src.jsonl.gz \
-        --regenerate sample --seed $seed --max-records ${REGEN_RECORDS:-100000} --max-len 512 --regen-max-tokens 384 \
-        --regen-batch ${REGEN_BATCH:-256} --regen-minutes ${REGEN_MINUTES:-2} --tokens-only --aux-layers 3,15 --no-eval-filter \
-        --out /tmp/tok/regen-$src-s$seed 2>&1 | tr '\r' '\n' | grep -v '^regenerate: ' | tail -3
+  for src in ${REGEN_SOURCES:-target-prompts}; do
+    if [ $src = target-prompts ]; then
+      # prompts that exist only once written pass the evaluation filter here, from its digests
+      [ -f "$STASH/evaluation-filter.json" ] || { echo "no $STASH/evaluation-filter.json: $src skipped"; continue; }
+      ARGS="--source target-prompts --regenerate greedy"
+      export JAKIRO_EVALUATION_FILTER="$STASH/evaluation-filter.json"
+    else  # the committed files' prompts passed the filter when they were made
+      ARGS="--source data/self-distilled/smollm2-135m-instruct-$src.jsonl.gz --regenerate sample --no-eval-filter"
+    fi
+    python3 -m jakiro data --target $TGT --device $DEVICE $ARGS --seed $seed --max-records ${REGEN_RECORDS:-100000} \
+        --max-len 512 --regen-max-tokens 384 --regen-batch ${REGEN_BATCH:-256} --regen-minutes ${REGEN_MINUTES:-2} \
+        --tokens-only --aux-layers 3,15 --out /tmp/tok/regen-$src-s$seed 2>&1 | tr '\r' '\n' | grep -v '^regenerate: ' | tail -3
     [ -f /tmp/tok/regen-$src-s$seed/state.json ] || continue
     gzip -c /tmp/tok/regen-$src-s$seed/regenerated.jsonl > "$OUT/regen-$src-s$seed.jsonl.gz"
     DATA=$DATA,/tmp/tok/regen-$src-s$seed

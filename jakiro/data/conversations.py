@@ -12,6 +12,20 @@ from typing import Iterator
 from ..errors import JakiroError
 
 TASKS_SOURCE = "sharegpt-tasks"
+# conversations whose user turn the target writes itself, sampled from its chat template's user
+# header alone (as Magpie does), then answers: an unbounded source of prompts in its own
+# distribution (``data.regenerate``)
+TARGET_PROMPTS_SOURCE = "target-prompts"
+
+
+def prompts_only(source: str) -> bool:
+    """Whether a source holds prompts without answers (``--regenerate`` must write them)."""
+    return source == TARGET_PROMPTS_SOURCE or task_passage(source) is not None
+
+
+def target_written(messages: list[dict]) -> bool:
+    """Whether a conversation's first user turn is still to be written by the target."""
+    return any(m["role"] == "user" and m.get("content") is None for m in messages)
 
 
 def task_passage(source: str) -> int | None:
@@ -97,6 +111,9 @@ def iter_conversations(source: str, skipped: list[int] | None = None) -> Iterato
         for obj in iter_json_array(sharegpt_path()):
             yield normalise(obj)
         return
+    if source == TARGET_PROMPTS_SOURCE:  # as many as asked for: a user turn to write, then its answer
+        while True:
+            yield [{"role": "user", "content": None}, {"role": "assistant", "content": ""}]
     passage = task_passage(source)
     if passage is not None:  # task prompts built from ShareGPT's texts (``data.tasks``)
         from .tasks import task_conversations

@@ -43,6 +43,10 @@ class RegenSettings:
     seed: int = 0
     aux_layers: tuple[int, ...] = ()  # mid-layer streams kept with the features (``TargetModel.forward``)
     max_seconds: float = 0.0  # stop after this long (0: no limit), dropping the conversations in flight
+    # user turns the target writes itself (a user message whose content is None): sampled thus
+    prompt_temperature: float = 1.0
+    prompt_top_p: float = 0.95
+    max_prompt_tokens: int = 128
 
 
 @dataclass
@@ -58,6 +62,9 @@ class RegenStats:
     feature_tokens_reused: int = 0  # training tokens whose features came out of the generation's forwards
     feature_tokens_computed: int = 0  # ... and those computed after the conversation ended
     stopped_in_flight: int = 0  # conversations dropped unfinished when the time limit came
+    prompts_written: int = 0  # user turns the target wrote and kept
+    prompts_rejected: int = 0  # ... and dropped: empty, cut (a loop, the length limit) or refused by ``admit``
+    prompt_tokens: int = 0  # tokens of the kept ones (not training targets)
     seconds: float = 0.0
 
     @property
@@ -108,6 +115,7 @@ class _Conversation:
     generated: int = 0
     cut: int = 0
     truncated: bool = False  # the current answer was cut (loop) or hit a length limit
+    writing_user: bool = False  # the slot is writing a user turn (``answer`` holds its tokens)
     fed: list[int] = field(default_factory=list)  # the tokens whose keys and values the slot holds
 
 
@@ -123,9 +131,14 @@ class Regenerator:
 
     def __init__(self, target, tokenizer, eos_ids: set[int], settings: RegenSettings,
                  tokenize: Callable[[list[dict]], tuple[list[int], list[int]] | None] | None = None,
-                 collect: Collect | None = None):
+                 collect: Collect | None = None, admit: Callable[[list[dict]], bool] | None = None):
+        """``admit`` (the messages so far, ending in a user turn the target wrote -> keep it?): the
+        evaluation filter for prompts that exist only once written."""
         self.target, self.tokenizer, self.eos_ids, self.s = target, tokenizer, eos_ids, settings
+        self.admit = admit
+        self._dropped: Callable[[int], None] | None = None
         self.sampling = SamplingParams(settings.temperature, settings.top_p)
+        self.prompt_sampling = SamplingParams(settings.prompt_temperature, settings.prompt_top_p)
         # on the target's device (a ``DeviceTarget`` keeps its logits there)
         self.device = getattr(target, "device", torch.device("cpu"))
         self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
@@ -136,9 +149,12 @@ class Regenerator:
         self.slot_features: torch.Tensor | None = None  # [batch, max_len + 1, d] float16
 
     def run(self, jobs: Iterator[tuple[int, list[dict]]], write: Callable[[dict], None],
-            on_step: Callable[[RegenStats], None] | None = None) -> RegenStats:
+            on_step: Callable[[RegenStats], None] | None = None,
+            dropped: Callable[[int], None] | None = None) -> RegenStats:
         """Answer every conversation that ``jobs`` yields ((source index, messages)); ``write``
-        receives each finished conversation."""
+        receives each finished conversation, ``dropped`` the index of each one that ends with
+        no answer (its prompt too long, or a prompt the target wrote refused)."""
+        self._dropped = dropped
         s = self.s
         B = s.batch
         cache = self.target.new_batch_cache(B, s.max_len + 1)
@@ -178,10 +194,11 @@ class Regenerator:
     # ------------------------------------------------------------------ per slot
     def _choose(self, logits: torch.Tensor, slots) -> torch.Tensor:
         chosen = logits.argmax(-1)
-        rows = [b for b, c in enumerate(slots) if c is not None and c.sampled]
-        if rows:
-            probs = processed_probs(logits[rows], self.sampling)
-            chosen[rows] = sample_rows(probs, self.generator)
+        for params, writing_user, sampled in ((self.sampling, False, True), (self.prompt_sampling, True, None)):
+            rows = [b for b, c in enumerate(slots) if c is not None and c.writing_user == writing_user
+                    and (sampled is None or c.sampled)]
+            if rows:
+                chosen[rows] = sample_rows(processed_probs(logits[rows], params), self.generator)
         return chosen
 
     def _accept(self, conv: _Conversation, tok: int) -> bool:
@@ -196,9 +213,9 @@ class Regenerator:
             self.stats.cut_answers += 1
             conv.truncated = True
             return False
-        if (len(conv.answer) >= self.s.max_new_tokens
-                or conv.prompt_len + len(conv.answer) >= self.s.max_len):
-            self.stats.length_limited_answers += 1
+        limit = self.s.max_prompt_tokens if conv.writing_user else self.s.max_new_tokens
+        if len(conv.answer) >= limit or conv.prompt_len + len(conv.answer) >= self.s.max_len:
+            self.stats.length_limited_answers += not conv.writing_user
             conv.truncated = True
             return False
         return True
@@ -207,6 +224,17 @@ class Regenerator:
         """Store the finished answer; False when the conversation cannot go on."""
         truncated, conv.truncated = conv.truncated, False
         text = self.tokenizer.decode(conv.answer, skip_special_tokens=True)
+        if conv.writing_user:  # a user turn the target wrote: kept whole and admitted, or the end
+            conv.writing_user = False
+            message = {"role": "user", "content": text.strip()}
+            if truncated or not message["content"] or (self.admit is not None and not self.admit(conv.out + [message])):
+                self.stats.prompts_rejected += 1
+                return False
+            conv.out.append(message)
+            conv.pos += 1
+            self.stats.prompts_written += 1
+            self.stats.prompt_tokens += len(conv.answer)
+            return True
         if not text.strip():
             return False
         message = {"role": "assistant", "content": text}
@@ -220,14 +248,29 @@ class Regenerator:
         return True
 
     def _start_turn(self, b: int, conv: _Conversation, cache, tokens) -> bool:
-        """Prefill the conversation up to its next answer into slot b; False when it has no
-        further user turn or no room for one."""
+        """Prefill the conversation up to its next answer (or a user turn the target writes) into
+        slot b; False when it has no further user turn or no room for one."""
         while conv.pos < len(conv.source) and conv.source[conv.pos]["role"] != "assistant":
+            if conv.source[conv.pos]["role"] == "user" and conv.source[conv.pos].get("content") is None:
+                conv.writing_user = True
+                return self._prefill(b, conv, cache, tokens, self._user_header(conv.out))
             conv.out.append(conv.source[conv.pos])
             conv.pos += 1
         if conv.pos >= len(conv.source):
             return False
-        text = self.tokenizer.apply_chat_template(conv.out, add_generation_prompt=True, tokenize=False)
+        return self._prefill(b, conv, cache, tokens,
+                             self.tokenizer.apply_chat_template(conv.out, add_generation_prompt=True, tokenize=False))
+
+    def _user_header(self, messages: list[dict]) -> str:
+        """The chat template's text before a new user turn's content (its default system prompt
+        included where it adds one)."""
+        mark = "\u0000USER\u0000"
+        text = self.tokenizer.apply_chat_template(messages + [{"role": "user", "content": mark}], tokenize=False)
+        return text[:text.index(mark)]
+
+    def _prefill(self, b: int, conv: _Conversation, cache, tokens, text: str) -> bool:
+        """Prefill ``text`` (the conversation so far, ending where the target writes) into slot b
+        and choose its first token; False when there is no room for what follows."""
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) + MIN_ANSWER_ROOM > self.s.max_len:
             return False
@@ -261,6 +304,8 @@ class Regenerator:
         self.stats.cut_tokens += conv.cut
         answered = [m for m in conv.out if m.get("role") == "assistant"]
         if not answered:
+            if self._dropped is not None:
+                self._dropped(conv.index)
             return
         while conv.out and conv.out[-1].get("role") != "assistant":
             conv.out.pop()  # a trailing user turn that got no answer

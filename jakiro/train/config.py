@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from ..errors import JakiroError
-from ..data.conversations import task_passage
+from ..data.conversations import TARGET_PROMPTS_SOURCE, prompts_only
 
 STEP_DECAY = 0.8
 P_WEIGHT = 0.1  # w_p: cross-entropy weight next to the feature regression
@@ -42,7 +42,9 @@ class DataConfig:
     source: str = _opt("sharegpt", "'sharegpt' (the installed package), 'sharegpt-tasks' (summarise / answer "
                                    "from a passage / extract / rewrite / translate prompts built from ShareGPT's "
                                    "texts; needs --regenerate; 'sharegpt-tasks-2' .. '-5' work on each "
-                                   "conversation's 2nd .. 5th passage) or a JSONL file of {'conversations': "
+                                   "conversation's 2nd .. 5th passage), '" + TARGET_PROMPTS_SOURCE + "' (the target "
+                                   "writes each user turn itself, sampled from its chat template's user header, "
+                                   "then answers it; needs --regenerate) or a JSONL file of {'conversations': "
                                    "[{from, value}]} or {'messages': [{role, content}]}, optionally .gz")
     max_records: int = _opt(1000, "conversations to build (counting from --first-record)")
     first_record: int = _opt(0, "skip this many records at the start of the source, usable or not (to "
@@ -81,7 +83,7 @@ class DataConfig:
             raise JakiroError(f"--sample-share must be in [0, 1], got {self.sample_share}")
         if self.regenerate not in ("none", "greedy", "sample"):
             raise JakiroError(f"unknown regeneration mode {self.regenerate!r}; choose none, greedy or sample")
-        if task_passage(self.source) is not None and self.regenerate == "none":
+        if prompts_only(self.source) and self.regenerate == "none":
             raise JakiroError(f"--source {self.source} holds prompts only: add --regenerate greedy (or sample)")
         if self.first_record < 0:
             raise JakiroError(f"--first-record must be >= 0, got {self.first_record}")
@@ -90,7 +92,7 @@ class DataConfig:
         if self.first_record and self.regenerate != "none":
             raise JakiroError("--first-record applies to a source read as it is; with --regenerate, "
                               "--max-records already continues the regenerated file")
-        if self.source != "sharegpt" and task_passage(self.source) is None and not os.path.isfile(self.source):
+        if self.source != "sharegpt" and not prompts_only(self.source) and not os.path.isfile(self.source):
             raise JakiroError(f"dataset not found: {self.source}")
 
     def torch_device(self):

@@ -11,8 +11,8 @@ from typing import Iterator
 
 import torch
 
-from ..data.conversations import iter_conversations
-from ..data.decontaminate import PromptFilter, evaluation_prompts
+from ..data.conversations import TARGET_PROMPTS_SOURCE, iter_conversations
+from ..data.decontaminate import evaluation_filter
 from ..errors import JakiroError
 from ..models.target import half_features
 from .config import DataConfig, parse_layers
@@ -66,6 +66,7 @@ def _admitted(source: str, prompt_filter, skipped: list[int] | None = None
         yield index, messages
 
 
+DROPS_IN_A_ROW = 100  # (plus 20 per slot) unanswered conversations in a row that stop a regeneration
 FEATURES_PREFIX = "regenerated-features-"  # features that came out of the regeneration's own forwards
 FEATURE_GROUP = 64  # conversations per such file
 
@@ -86,18 +87,35 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
     written = len(done)
     if written >= cfg.max_records:
         return {"conversations": 0, "already_regenerated": written}
-    in_flight = 0
+    in_flight = streak = 0
     skipped: list[int] | None = [] if cfg.skip_bad else None
+    # prompts the target writes pass the filter once written (``Regenerator``'s admit), the
+    # kept ones of an earlier run included, so that a resumed run repeats none of them
+    admit, job_filter = None, prompt_filter
+    if cfg.source == TARGET_PROMPTS_SOURCE and prompt_filter is not None:
+        for messages in iter_conversations(path) if done else ():
+            prompt_filter.admit(messages)
+        admit, job_filter = prompt_filter.admit, None
 
-    def jobs():
-        nonlocal in_flight
-        for index, messages in _admitted(cfg.source, prompt_filter, skipped):
-            if messages is None or index in done:
-                continue
+    records = _admitted(cfg.source, job_filter, skipped)
+
+    class Jobs:
+        """What a free slot takes next: nothing while the conversations asked for are written or
+        in flight, though a later one that ends unanswered frees its place (unlike a generator,
+        this iterator goes on after a StopIteration)."""
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            nonlocal in_flight
             if written + in_flight >= cfg.max_records:
-                return
-            in_flight += 1
-            yield index, messages
+                raise StopIteration
+            for index, messages in records:
+                if messages is not None and index not in done:
+                    in_flight += 1
+                    return index, messages
+            raise StopIteration
 
     folder = os.path.dirname(path)
     group: list[tuple[int, list[int], list[int], torch.Tensor]] = []
@@ -110,11 +128,12 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
 
     tokenize = lambda messages: tokenize_conversation(jk.tokenizer, messages, cfg.max_len)  # noqa: E731
     regen = Regenerator(target if target is not None else jk.target, jk.tokenizer, jk.engine("ar").eos_ids,
-                        cfg.regen_settings(), tokenize=tokenize, collect=None if cfg.tokens_only else collect)
+                        cfg.regen_settings(), tokenize=tokenize, collect=None if cfg.tokens_only else collect,
+                        admit=admit)
     bar = tqdm(total=cfg.max_records, initial=written, desc="regenerate", unit="conv", disable=not progress)
     with open(path, "a", encoding="utf-8") as f:
         def write(record: dict) -> None:
-            nonlocal written, in_flight, last_line
+            nonlocal written, in_flight, last_line, streak
             try:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 f.flush()
@@ -123,13 +142,23 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
                                   f"already written are kept, rerun the same command to resume") from None
             last_line = written
             written += 1
+            streak = 0
             in_flight -= 1
             bar.update(1)
 
         def on_step(stats) -> None:
             bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}", cut=stats.cut_tokens, refresh=False)
 
-        stats = regen.run(jobs(), write, on_step)
+        def dropped(index: int) -> None:  # ended without an answer: another job takes its place
+            nonlocal in_flight, streak
+            in_flight -= 1
+            streak += 1
+            if streak > DROPS_IN_A_ROW + 20 * cfg.regen_batch:  # an endless source must not spin forever
+                raise JakiroError(f"{streak} conversations in a row ended without an answer (prompts too long "
+                                  f"for --max-len {cfg.max_len}, or prompts the target wrote all refused); "
+                                  f"the {written} written are kept")
+
+        stats = regen.run(Jobs(), write, on_step, dropped)
     if group:
         _write_feature_group(folder, group)
     bar.close()
@@ -284,7 +313,7 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.devic
     elif state["identity"] != identity:
         raise JakiroError(f"{out} already holds a dataset built with different settings "
                           f"({state['identity']}); use another --out")
-    prompt_filter = PromptFilter(evaluation_prompts()) if cfg.filter_evaluation else None
+    prompt_filter = evaluation_filter() if cfg.filter_evaluation else None
     source = cfg.source
     if cfg.regenerate != "none":
         source = os.path.join(out, REGENERATED_FILE)
