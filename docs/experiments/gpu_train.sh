@@ -19,7 +19,9 @@
 # OUT receives both drafts (model weights in pieces of 16 MB), their logs and plots.
 set -u
 STASH=$1 OUT=$2 EM=${3:-3.2} JM=${4:-3.2}
-DEVICE=${DEVICE:-cuda} BATCH=${BATCH:-64}  # (a dry run: DEVICE=cpu BATCH=2 EXTRA="--warmup 2 --eval-records 2" and minutes 0.2)
+# a dry run on the CPU (with .venv/bin first on PATH): DEVICE=cpu BATCH=2 EXTRA="--warmup 2 --eval-records 2"
+# REGEN_SEEDS=1 REGEN_SOURCES="target-prompts greedy" REGEN_RECORDS=2 REGEN_BATCH=2 REGEN_MINUTES=6, minutes 0.2 0.2
+DEVICE=${DEVICE:-cuda} BATCH=${BATCH:-64}
 export PYTHONUNBUFFERED=1 JAKIRO_NO_EXT=1
 cd "$(dirname "$0")/../.."
 python3 -c "import gguf" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --target /tmp/site "$STASH"/gguf-*.whl
