@@ -258,6 +258,22 @@ def test_an_unusable_device_is_a_clear_error(device, message, tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_a_slot_keeps_what_the_next_conversation_shares_with_the_last(smol):
+    """A conversation taking over a slot prefills only what its prompt does not share with the
+    tokens the slot holds (the template's system prompt), and still answers as plain decoding."""
+    engine = smol.engine("ar")
+    one = [CONVERSATIONS[1], CONVERSATIONS[2]]
+    records = []
+    stats = Regenerator(smol.target, smol.tokenizer, engine.eos_ids, RegenSettings(max_len=160, max_new_tokens=10,
+                                                                                  batch=1)).run(
+        iter(enumerate(one)), records.append)
+    header = smol.tokenizer.apply_chat_template([{"role": "user", "content": "\u0000"}], tokenize=False)
+    header_ids = smol.tokenizer(header[:header.index("\u0000")], add_special_tokens=False).input_ids
+    assert len(header_ids) > 10 and stats.reused_prompt_tokens >= len(header_ids)
+    for rec in records:
+        assert rec["messages"][1]["content"] == engine.generate(rec["messages"][:1], 10).text
+
+
 def test_prompt_too_long_for_the_budget_is_skipped(smol):
     settings = RegenSettings(max_len=64, max_new_tokens=8, batch=2)
     long = [{"role": "user", "content": "word " * 80}, {"role": "assistant", "content": "a"}]

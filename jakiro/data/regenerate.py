@@ -162,6 +162,9 @@ class Regenerator:
             width = (1 + len(self.aux_layers)) * self.target.config.hidden_size
             self.slot_features = torch.zeros(B, s.max_len + 1, width, dtype=torch.float16, device=self.device)
         slots: list[_Conversation | None] = [None] * B
+        # the tokens whose keys and values each slot holds: a new conversation prefills only what
+        # its prompt does not share with them (the chat template's system prompt, as a rule)
+        self._slot_fed: list[list[int]] = [[] for _ in range(B)]
         tokens = torch.zeros(B, dtype=torch.long)
         t0 = time.perf_counter()
         for b in range(B):
@@ -302,6 +305,7 @@ class Regenerator:
 
     def _finish(self, b: int, conv: _Conversation, cache, write) -> None:
         self.stats.cut_tokens += conv.cut
+        self._slot_fed[b] = conv.fed
         answered = [m for m in conv.out if m.get("role") == "assistant"]
         if not answered:
             if self._dropped is not None:
@@ -332,13 +336,15 @@ class Regenerator:
             _, rest = self.target(torch.tensor(ids[common:]), slot, logits_rows=slice(0, 0),
                                   aux_layers=self.aux_layers)
             features = torch.cat((features, half_features(rest)))
+            self.slot_features[b, common:len(ids)] = features[common:]
+            self._slot_fed[b] = ids  # the slot now holds the training tokens
             self.stats.feature_tokens_computed += len(ids) - common
         self.stats.feature_tokens_reused += common
         self.collect(record, ids, mask, features.to("cpu", copy=True))
 
     def _refill(self, b, slots, cache, tokens, jobs, write) -> None:
         for index, messages in jobs:
-            conv = _Conversation(index, messages, self._sampled(index))
+            conv = _Conversation(index, messages, self._sampled(index), fed=self._slot_fed[b])
             if self._start_turn(b, conv, cache, tokens):
                 slots[b] = conv
                 return
