@@ -47,6 +47,9 @@ sys.exit(0 if all(abs(a - b) < 1e-4 * b for a, b in zip(got, (0.966963, 2.106754
 PY
 mkdir -p /tmp/tok && tar xJf "$STASH/tok.tar.xz" -C /tmp/tok
 DATA=$(echo /tmp/tok/{greedy,tasks3-greedy,tasks4-greedy,tasks5-greedy,tasks-greedy,tasks2-greedy,sample} | tr ' ' ,)
+for d in /tmp/tok/*/; do  # any further folder of the stash's tok.tar.xz (e.g. own-greedy) joins them
+  case ",$DATA," in *",${d%/},"*) ;; *) DATA=$DATA,${d%/} ;; esac
+done
 mkdir -p "$OUT"
 for seed in ${REGEN_SEEDS:-}; do
   for src in ${REGEN_SOURCES:-target-prompts}; do
