@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(b)
     b.add_argument("--questions", required=True, help="question JSONL path, 'mt-bench' or 'humaneval' (from the installed packages)")
     b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,eagle2+pld,jakiro+pld,jakiro-blended,"
-                   "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static (-fixed: the draft's fixed tree every "
-                   "cycle; -static: the --static-tree)")
+                   "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static,jakiro-serial (-fixed: the draft's fixed "
+                   "tree every cycle; -static: the --static-tree; -serial: a real last draft step instead of the "
+                   "contrastive branch)")
     b.add_argument("--static-tree", default="static:cpu", help="tree of the -static methods (static:NAME|PATH)")
     b.add_argument("--draft", action="append", default=[], metavar="PATH",
                    help="draft folder, used for its own method (repeatable); METHOD=PATH picks the method, "

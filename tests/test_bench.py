@@ -83,11 +83,12 @@ def test_bench_summary_is_consistent_and_plots_are_written(tmp_path, tiny_chat_t
 
 def test_a_tree_budget_fixes_the_drafts_tree_beside_the_baselines(tmp_path, tiny_chat_target, tiny_draft):
     from jakiro.bench.runner import BenchConfig, run_bench
-    cfg = BenchConfig(write_questions(tmp_path / "q.jsonl"), ["ar", "pld", "jakiro"], {"jakiro": tiny_draft},
-                      max_new_tokens=8, out=str(tmp_path / "out"), target=tiny_chat_target, warmup=0,
-                      depth=3, tree_top_k=2, total_tokens=5)
+    cfg = BenchConfig(write_questions(tmp_path / "q.jsonl"), ["ar", "pld", "jakiro", "jakiro-serial"],
+                      {"jakiro": tiny_draft}, max_new_tokens=8, out=str(tmp_path / "out"), target=tiny_chat_target,
+                      warmup=0, depth=3, tree_top_k=2, total_tokens=5)
     methods = run_bench(cfg, progress=False)["methods"]
     assert methods["jakiro"]["all"]["plain_steps"] == 0  # the user's tree: drafted every cycle
+    assert methods["jakiro-serial"]["all"]["greedy_match"] == 1.0
     assert methods["ar"]["all"]["tau"] == 1.0 and methods["pld"]["all"]["greedy_match"] == 1.0
     assert methods["jakiro"]["all"]["greedy_match"] == 1.0
 

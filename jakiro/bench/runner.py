@@ -20,6 +20,8 @@ HF_METHODS = ("hf", "hf-pld")
 # benchmark names for a method with options: Jakiro's blended candidates, drafts on their fixed tree
 VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
             "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False}),
+            # Jakiro whose last draft step is a real one, not the contrastive branch's
+            "jakiro-serial": ("jakiro", {"parallel_decoding": False}),
             # drafts scoring only their own vocabulary (not also the prompt's tokens)
             "eagle2-draftvocab": ("eagle2", {"prompt_vocab": False}), "jakiro-draftvocab": ("jakiro", {"prompt_vocab": False}),
             # the static tree of --static-tree
