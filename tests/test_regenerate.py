@@ -215,12 +215,13 @@ def test_prompts_the_filter_refuses_never_enter_and_an_endless_refusal_stops(smo
     from jakiro.train.dataset import DataConfig, build_dataset
     seen = []
     records, dropped = [], []
-    Regenerator(smol.target, smol.tokenizer, smol.engine("ar").eos_ids,
+    stats = Regenerator(smol.target, smol.tokenizer, smol.engine("ar").eos_ids,
                 RegenSettings(max_len=128, max_new_tokens=8, batch=2),
                 admit=lambda messages: seen.append(messages) or False).run(
         iter(enumerate([[{"role": "user", "content": None}, {"role": "assistant", "content": ""}]] * 3)),
         records.append, dropped=dropped.append)
     assert records == [] and sorted(dropped) == [0, 1, 2] and len(seen) <= 3
+    assert stats.prompts_rejected == 3 and stats.skipped_too_long == 0
     assert all(m[-1]["role"] == "user" and m[-1]["content"] for m in seen)
     monkeypatch.setattr(PromptFilter, "admit", lambda self, messages: False)
     monkeypatch.setattr("jakiro.train.dataset.DROPS_IN_A_ROW", -15)  # 5 with one slot

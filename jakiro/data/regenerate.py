@@ -116,6 +116,7 @@ class _Conversation:
     cut: int = 0
     truncated: bool = False  # the current answer was cut (loop) or hit a length limit
     writing_user: bool = False  # the slot is writing a user turn (``answer`` holds its tokens)
+    prompt_rejected: bool = False  # the user turn it wrote was dropped (the conversation ends)
     fed: list[int] = field(default_factory=list)  # the tokens whose keys and values the slot holds
 
 
@@ -232,6 +233,7 @@ class Regenerator:
             message = {"role": "user", "content": text.strip()}
             if truncated or not message["content"] or (self.admit is not None and not self.admit(conv.out + [message])):
                 self.stats.prompts_rejected += 1
+                conv.prompt_rejected = True
                 return False
             conv.out.append(message)
             conv.pos += 1
@@ -348,7 +350,7 @@ class Regenerator:
             if self._start_turn(b, conv, cache, tokens):
                 slots[b] = conv
                 return
-            if not any(m.get("role") == "assistant" for m in conv.out):
+            if not conv.prompt_rejected and not any(m.get("role") == "assistant" for m in conv.out):
                 self.stats.skipped_too_long += 1
             self._finish(b, conv, cache, write)
         slots[b] = None
