@@ -80,6 +80,25 @@ def test_bad_generation_arguments(smol, kwargs, message):
         smol.generate("hello", **kwargs)
 
 
+@pytest.mark.parametrize("scale, top_p", [(4.0, 0.9), (1.0, 0.95), (0.05, 0.95), (8.0, 0.3), (0.5, 0.999)])
+def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps(scale, top_p):
+    """Top-p ranks only as many tokens as its cut needs (peaked rows: the first 64; flat ones:
+    up to all of them) and keeps exactly the tokens a sort of the whole row keeps."""
+    g = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(6, 49152, generator=g) * scale
+    logits[0, :5] += 30  # one row all but decided
+    params = SamplingParams(temperature=0.8, top_p=top_p)
+    scaled = logits / 0.8
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    sorted_probs = sorted_logits.softmax(-1)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool).scatter(
+        -1, order, sorted_probs.cumsum(-1) - sorted_probs >= top_p)
+    expected = scaled.masked_fill(drop, float("-inf")).softmax(-1)
+    got = processed_probs(logits, params)
+    assert torch.equal(got > 0, expected > 0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-9)
+
+
 def test_processors_temperature_top_k_top_p():
     logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1]))
     p = processed_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
