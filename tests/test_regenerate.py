@@ -551,6 +551,9 @@ def test_task_source_needs_regeneration():
     with pytest.raises(JakiroError, match="sharegpt-tasks-3 holds prompts only"):
         DataConfig(None, source="sharegpt-tasks-3").check()
     DataConfig(None, source="sharegpt-tasks-5", regenerate="greedy").check()
+    with pytest.raises(JakiroError, match="target-prompts holds prompts only"):
+        DataConfig(None, source="target-prompts").check()
+    DataConfig(None, source="target-prompts", regenerate="sample").check()
     for name in ("sharegpt-tasks-1", "sharegpt-tasks-6", "sharegpt-tasks-x"):  # no such source (nor file)
         with pytest.raises(JakiroError, match=f"dataset not found: {name}"):
             DataConfig(None, source=name, regenerate="greedy").check()
