@@ -23,11 +23,6 @@ def prompts_only(source: str) -> bool:
     return source == TARGET_PROMPTS_SOURCE or task_passage(source) is not None
 
 
-def target_written(messages: list[dict]) -> bool:
-    """Whether a conversation's first user turn is still to be written by the target."""
-    return any(m["role"] == "user" and m.get("content") is None for m in messages)
-
-
 def task_passage(source: str) -> int | None:
     """Which passage of each ShareGPT conversation a task source works on: 'sharegpt-tasks' 1,
     'sharegpt-tasks-N' N (2 .. tasks.MAX_PASSAGE); None for any other source."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..errors import JakiroError
 from .features import FeatureModel
 from .kv_cache import BatchKVCache, KVCache
 
@@ -32,8 +31,7 @@ class DeviceTarget:
 
     def new_batch_cache(self, batch: int, max_len: int) -> BatchKVCache:
         cfg = self.config
-        if max_len > cfg.max_context:
-            raise JakiroError(f"requested {max_len} tokens but the model's context length is {cfg.max_context}")
+        cfg.check_length(max_len)
         return BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch, max_len, self.dtype, self.device)
 
     def _stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, aux_layers) -> torch.Tensor:
@@ -47,6 +45,12 @@ class DeviceTarget:
                 streams.append(x)
         final = F.rms_norm(x, (x.shape[-1],), m.norm, self.config.rms_norm_eps)
         return torch.cat((final, *streams), -1)
+
+    def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, T, H, D] over the cached keys and values [B, Hkv, L, D] -> o [B, H, T, D]."""
+        cfg = self.config
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask,
+                                              scale=cfg.head_dim ** -0.5, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
 
     @torch.inference_mode()
     def decode_batch(self, input_ids: torch.Tensor, cache: BatchKVCache,
@@ -64,10 +68,7 @@ class DeviceTarget:
         mask = cache.attention_mask()  # [B, 1, 1, end]
 
         def attend(i, q, k, v):
-            k_all, v_all = cache.write(i, k[:, 0], v[:, 0])
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask,
-                                                  scale=cfg.head_dim ** -0.5,
-                                                  enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+            return self._attend(q, *cache.write(i, k[:, 0], v[:, 0]), mask)
 
         features = self._stack(m.embed[input_ids.to(dev)].unsqueeze(1), cos, sin, attend, aux_layers)[:, 0]
         return F.linear(features[:, :cfg.hidden_size], m.head), features
@@ -87,10 +88,7 @@ class DeviceTarget:
         mask = (torch.arange(start + n, device=dev)[None] <= torch.arange(start, start + n, device=dev)[:, None])
 
         def attend(i, q, k, v):
-            k_all, v_all = cache.write(i, k.transpose(1, 2), v.transpose(1, 2))
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k_all, v_all, attn_mask=mask,
-                                                  scale=cfg.head_dim ** -0.5,
-                                                  enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+            return self._attend(q, *cache.write(i, k.transpose(1, 2), v.transpose(1, 2)), mask)
 
         features = self._stack(m.embed[input_ids.to(dev)].unsqueeze(0), cos, sin, attend, aux_layers)[0]
         rows = features[logits_rows if logits_rows is not None else slice(None), :cfg.hidden_size]

@@ -55,6 +55,11 @@ class TargetConfig:
     tie_word_embeddings: bool
     name: str = ""
 
+    def check_length(self, max_len: int) -> None:
+        """Refuse a cache for more tokens than this model's context."""
+        if max_len > self.max_context:
+            raise JakiroError(f"requested {max_len} tokens but the model's context length is {self.max_context}")
+
     def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
         """Refuse mid-layer streams that are not after increasing counts of this model's layers."""
         layers = self.num_layers
@@ -280,9 +285,7 @@ class TargetModel:
         """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the
         uncommitted tree tokens of the last verification forward."""
         cfg = self.config
-        if max_len > cfg.max_context:
-            raise JakiroError(f"requested {max_len} tokens but the model's context length is "
-                              f"{cfg.max_context}")
+        cfg.check_length(max_len)
         if scratch > ROPE_SLACK:
             raise JakiroError(f"draft trees are limited to {ROPE_SLACK} tokens, got {scratch}")
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len + scratch, self.dtype)
@@ -290,9 +293,7 @@ class TargetModel:
     def new_batch_cache(self, batch: int, max_len: int) -> BatchKVCache:
         """A cache for ``batch`` independent sequences of up to ``max_len`` tokens each."""
         cfg = self.config
-        if max_len > cfg.max_context:
-            raise JakiroError(f"requested {max_len} tokens but the model's context length is "
-                              f"{cfg.max_context}")
+        cfg.check_length(max_len)
         return BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch, max_len, self.dtype)
 
     # ------------------------------------------------------------------ forward
