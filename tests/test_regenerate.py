@@ -91,12 +91,18 @@ CONVERSATIONS = [
 ]
 
 
-def test_regenerated_answers_equal_plain_greedy_answers(smol):
+@pytest.mark.parametrize("feed", [False, True])
+def test_regenerated_answers_equal_plain_greedy_answers(smol, feed):
+    """Prompts prefilled on their own or fed one token per batch forward (``feed_prompts``, a
+    GPU's default): the target's own greedy answers either way."""
     engine = smol.engine("ar")
-    settings = RegenSettings(max_len=160, max_new_tokens=20, batch=3)
+    settings = RegenSettings(max_len=160, max_new_tokens=20, batch=3, feed_prompts=feed)
     records = []
     stats = Regenerator(smol.target, smol.tokenizer, engine.eos_ids, settings).run(
         iter(enumerate(CONVERSATIONS)), records.append)
+    # feeding: no forward but the batch's, and every prompt token not already in its slot fed
+    assert (stats.prefill_forwards == 0) == feed and (stats.fed_prompt_tokens > 0) == feed
+    assert stats.batch_forwards > 0
     assert sorted(r["source_index"] for r in records) == [0, 1, 2, 3]
     for rec in records:
         msgs = rec["messages"]
@@ -112,12 +118,16 @@ def test_regenerated_answers_equal_plain_greedy_answers(smol):
 
 
 def test_device_stack_regenerates_what_the_cpu_kernels_do(smol):
-    """The plain-torch stack a GPU regenerates with (``DeviceTarget``, here on the CPU) gives the
-    kernels' greedy answers and the same features (float16 and summation order apart)."""
+    """The plain-torch stack a GPU regenerates with (``DeviceTarget``, here on the CPU), feeding
+    the prompts through the batch as on a GPU, gives the kernels' greedy answers (prompts
+    prefilled) and the same features (float16 and summation order apart)."""
+    import dataclasses
+
     from jakiro.models.device_target import DeviceTarget
     settings = RegenSettings(max_len=160, max_new_tokens=20, batch=3, aux_layers=(3, 15))
     runs = []
-    for target in (smol.target, DeviceTarget(smol.target_path, "cpu")):
+    for target, feed in ((smol.target, False), (DeviceTarget(smol.target_path, "cpu"), True)):
+        settings = dataclasses.replace(settings, feed_prompts=feed)
         records, kept = [], {}
         Regenerator(target, smol.tokenizer, smol.engine("ar").eos_ids, settings,
                     tokenize=lambda m: _training_ids(smol, m),
@@ -240,12 +250,16 @@ def test_a_time_limit_stops_regeneration_and_the_same_command_continues(tmp_path
     out = str(tmp_path / "data")
     with pytest.raises(JakiroError, match="ran out before any conversation was finished; run the same command"):
         build_dataset(out, DataConfig(None, regen_minutes=1e-9, **cfg), progress=False)
-    state = build_dataset(out, DataConfig(None, **cfg), progress=False)
-    assert state["records"] == 4 and state["regeneration_runs"][-1]["stopped_in_flight"] == 0
+    state = build_dataset(out, DataConfig(None, regen_prompts="feed", **cfg), progress=False)
+    run = state["regeneration_runs"][-1]
+    assert state["records"] == 4 and run["stopped_in_flight"] == 0
+    assert run["prefill_forwards"] == 0 and run["fed_prompt_tokens"] > 0
     assert sorted(read_done(str(tmp_path / "data" / "regenerated.jsonl"))) == [0, 1, 2, 3]
     assert len(FeatureDataset(out)) == 4
     with pytest.raises(JakiroError, match="--regen-minutes must be >= 0"):
         build_dataset(str(tmp_path / "neg"), DataConfig(None, regen_minutes=-1, **cfg), progress=False)
+    with pytest.raises(JakiroError, match="unknown --regen-prompts 'batch'; choose auto, prefill or feed"):
+        build_dataset(str(tmp_path / "bad"), DataConfig(None, regen_prompts="batch", **cfg), progress=False)
 
 
 @pytest.mark.parametrize("device, message", [("gpu0", "not a torch device"),
@@ -259,14 +273,16 @@ def test_an_unusable_device_is_a_clear_error(device, message, tmp_path):
     assert not (tmp_path / "d").exists()
 
 
-def test_a_slot_keeps_what_the_next_conversation_shares_with_the_last(smol):
-    """A conversation taking over a slot prefills only what its prompt does not share with the
-    tokens the slot holds (the template's system prompt), and still answers as plain decoding."""
+@pytest.mark.parametrize("feed", [False, True])
+def test_a_slot_keeps_what_the_next_conversation_shares_with_the_last(smol, feed):
+    """A conversation taking over a slot prefills (or feeds) only what its prompt does not share
+    with the tokens the slot holds (the template's system prompt), and still answers as plain
+    decoding."""
     engine = smol.engine("ar")
     one = [CONVERSATIONS[1], CONVERSATIONS[2]]
     records = []
     stats = Regenerator(smol.target, smol.tokenizer, engine.eos_ids, RegenSettings(max_len=160, max_new_tokens=10,
-                                                                                  batch=1)).run(
+                                                                                  batch=1, feed_prompts=feed)).run(
         iter(enumerate(one)), records.append)
     header = smol.tokenizer.apply_chat_template([{"role": "user", "content": "\u0000"}], tokenize=False)
     header_ids = smol.tokenizer(header[:header.index("\u0000")], add_special_tokens=False).input_ids

@@ -1,9 +1,13 @@
 """Self-distilled conversations: the target answers the user turns of many conversations at once.
 
 Continuous batching: ``batch`` conversations are decoded together, one token per conversation per
-target forward (``TargetModel.decode_batch``, per-sequence KV and lengths, no padding of the
-prompts); when an answer ends, its slot is prefilled with the conversation's next user turn, or
-with the next conversation. Each conversation keeps its multi-turn structure and is bounded by
+target forward (``TargetModel.decode_batch``, per-sequence KV and lengths, no padding); when an
+answer ends, its slot goes on with the conversation's next user turn, or with the next
+conversation: its prompt is prefilled (only what the slot does not hold already: the earlier turns,
+the chat template's system prompt) or, on a GPU (``feed_prompts``), fed one token per forward
+beside the other slots' answers, so that it costs no forward of its own: there a forward over the
+batch takes about as long as one over a single prompt, and a separate prefill per finished answer
+took most of the time. Each conversation keeps its multi-turn structure and is bounded by
 ``max_len`` tokens (what training reads). Degenerate loops (a block of tokens repeated three times
 in a row) are cut after the second copy and counted. Finished conversations are appended to a
 JSONL file, so a killed run resumes where it stopped and features can be rebuilt from the file.
@@ -47,6 +51,10 @@ class RegenSettings:
     prompt_temperature: float = 1.0
     prompt_top_p: float = 0.95
     max_prompt_tokens: int = 128
+    # a new prompt's tokens ride in the batch, one per forward, instead of a prefill forward of
+    # their own (None: on a GPU, where a forward over the batch costs about what one prefill
+    # does; the CPU kernels prefill a prompt's tokens more cheaply than they decode them)
+    feed_prompts: bool | None = None
 
 
 @dataclass
@@ -58,7 +66,10 @@ class RegenStats:
     cut_answers: int = 0
     length_limited_answers: int = 0
     skipped_too_long: int = 0  # conversations whose first prompt leaves no room for an answer
-    reused_prompt_tokens: int = 0  # a later turn's prompt tokens already in the slot (not prefilled again)
+    reused_prompt_tokens: int = 0  # a later turn's prompt tokens already in the slot (not fed again)
+    fed_prompt_tokens: int = 0  # prompt tokens fed through the batch (``feed_prompts``)
+    batch_forwards: int = 0  # forwards over the whole batch (one token per slot)
+    prefill_forwards: int = 0  # forwards over one slot's prompt (none with ``feed_prompts``)
     feature_tokens_reused: int = 0  # training tokens whose features came out of the generation's forwards
     feature_tokens_computed: int = 0  # ... and those computed after the conversation ended
     stopped_in_flight: int = 0  # conversations dropped unfinished when the time limit came
@@ -118,6 +129,7 @@ class _Conversation:
     writing_user: bool = False  # the slot is writing a user turn (``answer`` holds its tokens)
     prompt_rejected: bool = False  # the user turn it wrote was dropped (the conversation ends)
     fed: list[int] = field(default_factory=list)  # the tokens whose keys and values the slot holds
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to feed, last first
 
 
 # a finished conversation's training ids, loss mask and features [n, d] (float16), by the
@@ -148,6 +160,7 @@ class Regenerator:
         # mid-layer streams are asked of the target only where features are collected
         self.aux_layers = settings.aux_layers if collect is not None else ()
         self.slot_features: torch.Tensor | None = None  # [batch, max_len + 1, d] float16
+        self.feed_prompts = settings.feed_prompts if settings.feed_prompts is not None else self.device.type != "cpu"
 
     def run(self, jobs: Iterator[tuple[int, list[dict]]], write: Callable[[dict], None],
             on_step: Callable[[RegenStats], None] | None = None,
@@ -176,6 +189,7 @@ class Regenerator:
                 self.stats.stopped_in_flight = sum(c is not None for c in slots)
                 break
             logits, features = self.target.decode_batch(tokens, cache, self.aux_layers)  # [B, vocab], [B, width]
+            self.stats.batch_forwards += 1
             if self.slot_features is not None:
                 self.slot_features[rows, cache.lengths.to(self.device)] = half_features(features)
             cache.advance()
@@ -186,7 +200,9 @@ class Regenerator:
                     cache.set_length(b, 0)
                     continue
                 conv.fed.append(fed[b])
-                if self._accept(conv, chosen[b]):
+                if conv.pending:  # still feeding its prompt: what it would choose is not asked yet
+                    tokens[b] = conv.pending.pop()
+                elif self._accept(conv, chosen[b]):
                     tokens[b] = chosen[b]
                 else:
                     self._next_turn(b, slots, cache, tokens, jobs, write)
@@ -199,8 +215,8 @@ class Regenerator:
     def _choose(self, logits: torch.Tensor, slots) -> torch.Tensor:
         chosen = logits.argmax(-1)
         for params, writing_user, sampled in ((self.sampling, False, True), (self.prompt_sampling, True, None)):
-            rows = [b for b, c in enumerate(slots) if c is not None and c.writing_user == writing_user
-                    and (sampled is None or c.sampled)]
+            rows = [b for b, c in enumerate(slots) if c is not None and not c.pending
+                    and c.writing_user == writing_user and (sampled is None or c.sampled)]
             if rows:
                 chosen[rows] = sample_rows(processed_probs(logits[rows], params), self.generator)
         return chosen
@@ -274,24 +290,32 @@ class Regenerator:
         return text[:text.index(mark)]
 
     def _prefill(self, b: int, conv: _Conversation, cache, tokens, text: str) -> bool:
-        """Prefill ``text`` (the conversation so far, ending where the target writes) into slot b
-        and choose its first token; False when there is no room for what follows."""
+        """Start slot b on ``text`` (the conversation so far, ending where the target writes) and
+        choose what the target writes first, at once or (``feed_prompts``) after its tokens have
+        been fed one per forward; False when there is no room for what follows."""
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) + MIN_ANSWER_ROOM > self.s.max_len:
             return False
         # the slot already holds the conversation so far where the new prompt repeats it token for
         # token (the earlier turns, as prefilled and answered): only the rest is prefilled
         keep = min(_common_prefix(conv.fed, ids), len(ids) - 1)
+        self.stats.reused_prompt_tokens += keep
+        conv.prompt_len, conv.answer, conv.truncated = len(ids), [], False
+        if self.feed_prompts:
+            cache.set_length(b, keep)
+            conv.fed, conv.pending = ids[:keep], ids[:keep:-1]  # ids[keep + 1:], last first
+            tokens[b] = ids[keep]
+            self.stats.fed_prompt_tokens += len(ids) - keep
+            return True
         slot = cache.slot(b)
         slot.length = keep
         logits, features = self.target(torch.tensor(ids[keep:]), slot, logits_rows=slice(-1, None), chunked=True,
                                        aux_layers=self.aux_layers)
+        self.stats.prefill_forwards += 1
         if self.slot_features is not None:
             self.slot_features[b, keep:len(ids)] = half_features(features)
         cache.set_length(b, len(ids))
         conv.fed = ids
-        self.stats.reused_prompt_tokens += keep
-        conv.prompt_len, conv.answer, conv.truncated = len(ids), [], False
         first = int(self._choose(logits, [conv])[0])
         if not self._accept(conv, first):
             return self._end_answer(conv) and self._start_turn(b, conv, cache, tokens)

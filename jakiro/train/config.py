@@ -59,6 +59,9 @@ class DataConfig:
     regen_batch: int = _opt(32, "conversations regenerated together")
     regen_minutes: float = _opt(0.0, "stop regenerating after about this long (0: no limit); the conversations "
                                      "then in flight are dropped, and the same command continues later")
+    regen_prompts: str = _opt("auto", "how a new prompt enters its slot: prefill (a forward of its own) or feed "
+                                      "(one token per batch forward, beside the other slots' answers); auto: feed "
+                                      "on a GPU, prefill on the CPU", choices=("auto", "prefill", "feed"))
     sample_share: float = _opt(0.0, "with --regenerate greedy: share of conversations answered by sampling "
                                     "(T 0.8, top-p 0.95)")
     filter_evaluation: bool = _opt(True, "drop conversations that touch MT-bench, Spec-Bench or HumanEval prompts")
@@ -83,6 +86,8 @@ class DataConfig:
             raise JakiroError(f"--sample-share must be in [0, 1], got {self.sample_share}")
         if self.regenerate not in ("none", "greedy", "sample"):
             raise JakiroError(f"unknown regeneration mode {self.regenerate!r}; choose none, greedy or sample")
+        if self.regen_prompts not in ("auto", "prefill", "feed"):
+            raise JakiroError(f"unknown --regen-prompts {self.regen_prompts!r}; choose auto, prefill or feed")
         if prompts_only(self.source) and self.regenerate == "none":
             raise JakiroError(f"--source {self.source} holds prompts only: add --regenerate greedy (or sample)")
         if self.first_record < 0:
@@ -112,6 +117,7 @@ class DataConfig:
         return RegenSettings(mode=self.regenerate, max_len=self.max_len, max_new_tokens=self.regen_max_tokens,
                              batch=self.regen_batch, sample_share=self.sample_share, seed=self.seed,
                              max_seconds=60 * self.regen_minutes,
+                             feed_prompts=None if self.regen_prompts == "auto" else self.regen_prompts == "feed",
                              aux_layers=parse_layers(self.aux_layers))
 
 
