@@ -29,6 +29,27 @@ def test_repeated_tail_table(ids, expected):
     assert repeated_tail(ids) == expected
 
 
+def _repeated_tail_by_every_period(ids, min_span=16, max_period=100):
+    for p in range(1, min(max_period, len(ids) // 3) + 1):
+        copies = max(3, -(-min_span // p))
+        if copies * p <= len(ids) and all(ids[len(ids) - (r + 1) * p: len(ids) - r * p] == ids[len(ids) - p:]
+                                          for r in range(1, copies)):
+            return len(ids) - (copies - 2) * p
+    return None
+
+
+def test_repeated_tail_agrees_with_trying_every_period():
+    import random
+    rng = random.Random(0)
+    for _ in range(3000):
+        alphabet = rng.choice((2, 3, 5, 50))
+        ids = [rng.randrange(alphabet) for _ in range(rng.randrange(0, 160))]
+        if ids and rng.random() < 0.5:  # end in a loop of some period
+            p = rng.randrange(1, 40)
+            ids += ids[-p:] * rng.randrange(1, 6)
+        assert repeated_tail(ids) == _repeated_tail_by_every_period(ids), ids
+
+
 def test_decode_batch_equals_single_sequence_forward(tmp_path):
     target = TargetModel.from_folder(make_tiny_target(str(tmp_path), "qwen2"))
     g = torch.Generator().manual_seed(3)

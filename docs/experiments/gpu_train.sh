@@ -13,9 +13,10 @@
 # import save_evaluation_filter as s; s('evaluation-filter.json')"`), or the name of a committed
 # file (greedy, tasks-greedy, ...: its prompts answered again by sampling).
 #
-# STASH holds: SmolLM2-135M-Instruct.Q4_1.gguf (or gguf.xz.* pieces of its xz stream), tok.tar.xz
-# (the runs/tok/* folders of `jakiro data --tokens-only`, see data/self-distilled/README.md),
-# eagle2-init/ (the EAGLE-2 draft to continue) and, where the gguf package is missing, its wheel.
+# STASH (built on the CPU by docs/experiments/gpu_stash.sh STASH; put it in the working tree,
+# untracked, so that it travels to the GPU machine) holds: SmolLM2-135M-Instruct.Q4_1.gguf (or
+# gguf.xz.* pieces of its xz stream), tok.tar.xz (the runs/tok/* folders of `jakiro data
+# --tokens-only`, see data/self-distilled/README.md), evaluation-filter.json, eagle2-init/ (the EAGLE-2 draft to continue) and, where the gguf package is missing, its wheel.
 # OUT receives both drafts (model weights in pieces of 16 MB), their logs and plots.
 set -u
 STASH=$1 OUT=$2 EM=${3:-3.2} JM=${4:-3.2}

@@ -93,16 +93,22 @@ def repeated_tail(ids: list[int], min_span: int = 16, max_period: int = 100) -> 
     times in a row (short blocks must repeat until the run spans ``min_span`` tokens). Returns
     the length that keeps two copies of the block, or None."""
     n = len(ids)
-    for p in range(1, min(max_period, n // 3) + 1):
-        if ids[-1] != ids[-1 - p]:
-            continue
+    limit = min(max_period, n // 3)
+    if limit == 0:
+        return None
+    before = ids[n - 1 - limit:n - 1][::-1]  # before[p - 1] = ids[-1 - p]
+    p = 0
+    while True:  # each period p whose block could end like the answer (the search runs in C)
+        try:
+            p = before.index(ids[-1], p) + 1
+        except ValueError:
+            return None
         copies = max(3, -(-min_span // p))
         if copies * p > n:
             continue
         block = ids[n - p:]
         if all(ids[n - (r + 1) * p: n - r * p] == block for r in range(1, copies)):
             return n - (copies - 2) * p
-    return None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -191,7 +197,7 @@ class Regenerator:
             logits, features = self.target.decode_batch(tokens, cache, self.aux_layers)  # [B, vocab], [B, width]
             self.stats.batch_forwards += 1
             if self.slot_features is not None:
-                self.slot_features[rows, cache.lengths.to(self.device)] = half_features(features)
+                self.slot_features[rows, cache.device_lengths()[0]] = half_features(features)
             cache.advance()
             chosen = self._choose(logits, slots).tolist()
             fed = tokens.tolist()

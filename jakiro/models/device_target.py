@@ -63,7 +63,7 @@ class DeviceTarget:
             raise ValueError(f"{input_ids.shape[0]} tokens for a cache of {cache.batch} sequences")
         cache.check_room()
         m, dev = self.model, self.device
-        positions = cache.lengths.to(dev)
+        positions = cache.device_lengths()[0]
         cos, sin = m.cos[positions].unsqueeze(1).unsqueeze(1), m.sin[positions].unsqueeze(1).unsqueeze(1)
         mask = cache.attention_mask()  # [B, 1, 1, end]
 

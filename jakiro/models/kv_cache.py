@@ -71,7 +71,10 @@ class BatchKVCache:
         # [layers, 2 (k/v), batch, kv_heads, max_len, head_dim] on ``device``
         self.data = torch.zeros(num_layers, 2, batch, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)
         self.max_len = max_len
-        self.lengths = torch.zeros(batch, dtype=torch.long)  # [batch], on the CPU (the caller's bookkeeping)
+        self.lengths = torch.zeros(batch, dtype=torch.long)  # [batch], on the CPU (the caller's bookkeeping;
+        # changed only through ``slot``, ``set_length`` and ``advance``)
+        self._on_device: tuple[torch.Tensor, int] | None = None
+        self._rows = torch.arange(batch, device=device)
 
     @property
     def batch(self) -> int:
@@ -79,11 +82,19 @@ class BatchKVCache:
 
     def slot(self, b: int) -> KVCache:
         """A single-sequence cache over slot ``b``, emptied (its length restarts at 0)."""
-        self.lengths[b] = 0
+        self.set_length(b, 0)
         return KVCache(0, 0, 0, 0, data=self.data[:, :, b:b + 1])
 
     def set_length(self, b: int, length: int) -> None:
         self.lengths[b] = length
+        self._on_device = None
+
+    def device_lengths(self) -> tuple[torch.Tensor, int]:
+        """The lengths on the cache's device and max(lengths) + 1, copied once per step (every
+        layer's write and the mask ask for them; on a GPU each copy is a transfer)."""
+        if self._on_device is None:
+            self._on_device = (self.lengths.to(self.data.device), int(self.lengths.max()) + 1)
+        return self._on_device
 
     def check_room(self) -> None:
         """Every slot must have room for one more entry."""
@@ -93,19 +104,19 @@ class BatchKVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one new entry per slot, k, v [batch, kv_heads, head_dim], at each slot's length;
         return views [batch, kv_heads, max(lengths) + 1, head_dim]."""
-        self.check_room()
-        device = self.data.device
-        rows, lengths = torch.arange(self.batch, device=device), self.lengths.to(device)
+        lengths, end = self.device_lengths()
+        if end > self.max_len:
+            self.check_room()
         layer_kv = self.data[layer]
-        layer_kv[0, rows, :, lengths] = k
-        layer_kv[1, rows, :, lengths] = v
-        end = int(self.lengths.max()) + 1
+        layer_kv[0, self._rows, :, lengths] = k
+        layer_kv[1, self._rows, :, lengths] = v
         return layer_kv[0, :, :, :end], layer_kv[1, :, :, :end]
 
     def attention_mask(self) -> torch.Tensor:
         """[batch, 1, 1, max(lengths) + 1] bool: each slot sees its prefix and its new entry."""
-        end = int(self.lengths.max()) + 1
+        end = self.device_lengths()[1]
         return (torch.arange(end) <= self.lengths[:, None]).view(self.batch, 1, 1, end).to(self.data.device)
 
     def advance(self) -> None:
         self.lengths += 1
+        self._on_device = None
