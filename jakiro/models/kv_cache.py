@@ -114,8 +114,8 @@ class BatchKVCache:
 
     def attention_mask(self) -> torch.Tensor:
         """[batch, 1, 1, max(lengths) + 1] bool: each slot sees its prefix and its new entry."""
-        end = self.device_lengths()[1]
-        return (torch.arange(end) <= self.lengths[:, None]).view(self.batch, 1, 1, end).to(self.data.device)
+        lengths, end = self.device_lengths()
+        return (torch.arange(end, device=lengths.device) <= lengths[:, None]).view(self.batch, 1, 1, end)
 
     def advance(self) -> None:
         self.lengths += 1
