@@ -314,7 +314,8 @@ def test_truncated_json_array_is_parsed_object_by_object(tmp_path):
     assert [o["id"] for o in iter_json_array(str(path), chunk_size=7)] == [1, 2]
 
 
-def test_data_build_resumes_without_duplicating_records(tmp_path):
+def test_data_build_resumes_without_duplicating_records(tmp_path, monkeypatch):
+    from jakiro.models import smallgemm
     from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
     src = tmp_path / "conv.jsonl"
     write_conversations(src, [[("human", f"Question number {i}: what is {i} plus {i}?"),
@@ -335,6 +336,15 @@ def test_data_build_resumes_without_duplicating_records(tmp_path):
     with pytest.raises(JakiroError, match="different settings"):
         build_dataset(str(tmp_path / "resumed"), DataConfig(None, str(src), max_records=6, max_len=99),
                       progress=False)
+
+    if smallgemm.int8_enabled() or smallgemm.tiles_enabled():  # int8 activations are another target
+        monkeypatch.setenv("JAKIRO_INT8_ACTIVATIONS", "1")
+        with pytest.raises(JakiroError, match="different settings"):
+            build_dataset(str(tmp_path / "resumed"), DataConfig(None, str(src), max_records=6, shard_size=2),
+                          progress=False)
+        with pytest.raises(JakiroError, match="--int8-activations is the CPU kernels' computation"):
+            build_dataset(str(tmp_path / "gpu"), DataConfig(None, str(src), device="meta"), progress=False)
+        monkeypatch.delenv("JAKIRO_INT8_ACTIVATIONS")
 
     # --first-record: a new folder continues with the records another dataset left
     tail = build_dataset(str(tmp_path / "tail"), DataConfig(None, str(src), max_records=3, first_record=3,

@@ -269,6 +269,9 @@ def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progr
     cfg.check()
     device = cfg.torch_device()
     jk = load(cfg.target, cache_dir=cache_dir)
+    if getattr(jk.target, "int8_activations", False) and _uses_device_stack(device):
+        raise JakiroError(f"--int8-activations is the CPU kernels' computation; --device {device} runs the "
+                          f"float32 decoder stack: drop one of them")
     if not getattr(jk.tokenizer, "chat_template", None):
         raise JakiroError("the target's tokenizer has no chat template; cannot build chat training data")
     created = not os.path.exists(out)
@@ -300,6 +303,8 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.devic
         identity["first_record"] = cfg.first_record
     if cfg.tokens_only:
         identity["tokens_only"] = True
+    if getattr(target, "int8_activations", False):  # answers and features of that computation
+        identity["int8_activations"] = True
     aux_layers = parse_layers(cfg.aux_layers)
     if aux_layers:
         target.check_aux_layers(aux_layers)
