@@ -226,17 +226,19 @@ def test_the_target_writes_its_own_prompts_and_answers_them(smol, tmp_path):
                tokens_only=True)
     out = tmp_path / "data"
     first = build_dataset(str(out), DataConfig(None, max_records=3, **cfg), progress=False)
-    state = build_dataset(str(out), DataConfig(None, max_records=5, **cfg), progress=False)
+    # resumed with the prompts fed through the batch (a GPU's way): the same kind of conversations
+    state = build_dataset(str(out), DataConfig(None, max_records=5, regen_prompts="feed", **cfg), progress=False)
     records = [json.loads(x) for x in (out / "regenerated.jsonl").read_text().splitlines()]
     assert len(records) == 5 == state["records"] == len(FeatureDataset(str(out)))
     prompts = [r["messages"][0]["content"] for r in records]
     assert len(set(prompts)) == 5 and all(p.strip() for p in prompts)
     engine = smol.engine("ar")
-    for r in records[:2]:
+    for r in records[:2] + records[3:]:
         user, answer = r["messages"]
         assert user["role"] == "user" and answer["role"] == "assistant" and r["mode"] == "greedy"
         assert answer["content"] == engine.generate([user], 12).text
     runs = [first["regeneration_runs"][-1], state["regeneration_runs"][-1]]
+    assert runs[1]["prefill_forwards"] == 0 and runs[1]["fed_prompt_tokens"] > 0
     assert sum(r["prompts_written"] for r in runs) >= 5 and all("removed_evaluation" in r for r in runs)
     assert sum(r["generated_tokens"] for r in runs) == sum(r["generated_tokens"] for r in records)
 
