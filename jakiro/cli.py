@@ -277,7 +277,22 @@ def cmd_generate(args) -> int:
             line += (f"; plain decoding {out['ar_tokens_per_s']:.1f} tokens/s -> "
                      f"speedup {out['speedup']:.2f}x")
         print(line)
+        hint = int8_hint(jk.target) if args.compare else None
+        if hint:
+            print(hint, file=sys.stderr)
     return 0
+
+
+def int8_hint(target) -> str | None:
+    """A line for a speed comparison on a CPU that could run the target with int8 activations
+    and does not (they make every forward, and a tree's extra tokens most, cheaper)."""
+    from .models import smallgemm
+    if getattr(target, "int8_activations", True) or not getattr(target, "quantized_matrices", 0):
+        return None
+    if not (smallgemm.int8_enabled() or smallgemm.tiles_enabled()):
+        return None
+    return ("[jakiro] this CPU can also run the target as llama.cpp does (--int8-activations): every forward "
+            "is cheaper and a tree's extra tokens about half as dear; the greedy text is then that computation's")
 
 
 def _load_for_session(args):

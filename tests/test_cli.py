@@ -96,6 +96,22 @@ def test_generate_text_summary_line_counts_forwards_and_plain_steps():
     tokens, tau, forwards = int(found[1]), float(found[2]), int(found[3])
     assert 0 < forwards < tokens <= 16 and tau == pytest.approx((tokens - 1) / forwards, abs=0.006)
     assert found[4] is None or 0 < int(found[4]) <= forwards
+    from jakiro.models import smallgemm  # the hint on faster forwards, where this CPU has them
+    assert ("--int8-activations" in res.stderr) == (smallgemm.int8_enabled() or smallgemm.tiles_enabled())
+
+
+def test_the_int8_hint_names_only_what_this_target_and_cpu_can_do(monkeypatch):
+    from types import SimpleNamespace
+
+    from jakiro.cli import int8_hint
+    from jakiro.models import smallgemm
+    monkeypatch.setattr(smallgemm, "int8_enabled", lambda: True)
+    assert "--int8-activations" in int8_hint(SimpleNamespace(int8_activations=False, quantized_matrices=210))
+    assert int8_hint(SimpleNamespace(int8_activations=True, quantized_matrices=210)) is None  # already on
+    assert int8_hint(SimpleNamespace(int8_activations=False, quantized_matrices=0)) is None  # no GGUF blocks
+    monkeypatch.setattr(smallgemm, "int8_enabled", lambda: False)
+    monkeypatch.setattr(smallgemm, "tiles_enabled", lambda: False)
+    assert int8_hint(SimpleNamespace(int8_activations=False, quantized_matrices=210)) is None  # no kernel
 
 
 def test_generate_with_the_draft_vocabulary_alone():
