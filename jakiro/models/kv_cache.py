@@ -98,15 +98,14 @@ class BatchKVCache:
 
     def check_room(self) -> None:
         """Every slot must have room for one more entry."""
-        if int(self.lengths.max()) >= self.max_len:
+        if self.device_lengths()[1] > self.max_len:
             raise ValueError(f"KV cache overflow: a slot is full ({self.max_len} entries)")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one new entry per slot, k, v [batch, kv_heads, head_dim], at each slot's length;
         return views [batch, kv_heads, max(lengths) + 1, head_dim]."""
+        self.check_room()
         lengths, end = self.device_lengths()
-        if end > self.max_len:
-            self.check_room()
         layer_kv = self.data[layer]
         layer_kv[0, self._rows, :, lengths] = k
         layer_kv[1, self._rows, :, lengths] = v
