@@ -69,7 +69,7 @@ def test_bench_summary_is_consistent_and_plots_are_written(tmp_path, tiny_chat_t
     fixed = methods["jakiro-fixed"]["all"]
     assert fixed["plain_steps"] == 0  # the fixed tree drafts every cycle
     cover = fixed["head_coverage"]  # a 256-token draft vocabulary; the prompt's tokens add to it
-    assert 0 <= cover["draft_vocab"] <= cover["with_prompt"] <= 1
+    assert 0 <= cover["draft_vocab"] <= cover["with_prompt"] <= cover["with_answer"] <= 1
     assert "head_coverage" not in methods["pld"]["all"]
     assert methods["ar"]["all"]["plain_steps"] == methods["ar"]["all"]["target_forwards"]
     assert set(summary["cost_tables"]) == {"pld", "jakiro"}  # the cost-aware engines (not the fixed tree)

@@ -71,3 +71,36 @@ def test_long_prompts_add_a_bounded_number_of_rows(tiny):
     head = proposer.prompt_head(context)
     assert head.size <= 48 + PROMPT_VOCAB_MAX + 15
     assert int(head.ids[48]) == context[-1] or context[-1] in draft.d2t.tolist()
+
+
+def test_the_head_takes_in_the_answer_tokens_it_lacks(tiny):
+    """Each proposal's head holds the tokens committed before it: the vocabulary, the prompt's
+    tokens it lacks, then the answer's in the order they came (where the previous head had its
+    padding), and scores them as the whole LM head does; ``answer_vocab`` bounds the rows the
+    answer adds, 0 keeps the prompt's head."""
+    root, target, tok, prompts, reference = tiny
+    draft = random_draft(root, target, "eagle2", {"draft_vocab_size": 48}, "pv-answer")
+    vocab = draft.d2t.tolist()
+    x = torch.randn(3, draft.config.hidden_size)
+    for rows_max in (512, 16, 0):
+        proposer = DraftProposer(draft, TreeBudget(2, 2, 4))
+        proposer.answer_vocab = rows_max
+        engine = Engine(target, tok, proposer)
+        for prompt, ref in list(zip(prompts, reference))[:3]:
+            assert engine.generate(prompt, len(ref)).token_ids == ref
+            context = prompt + ref[:1]  # the first proposal's
+            real = vocab + proposer.prompt_tokens(context).tolist()
+            ids = proposer.head.ids.tolist()
+            assert len(ids) == len(set(ids)) and len(ids) % 16 == 0
+            if rows_max == 0:
+                assert ids == proposer.prompt_head(context).ids.tolist() and proposer.answer_rows == 0
+                continue
+            answer_new = [t for t in dict.fromkeys(ref) if t not in real]
+            n = proposer.answer_rows
+            assert 0 < n <= rows_max
+            assert ids[:len(real) + n] == real + answer_new[:n] and len(ids) - len(real) - n < 16
+            if rows_max == 512:  # every token committed before the last proposal
+                assert set(ref[:-5]) <= set(ids)
+            with torch.inference_mode():
+                logits = draft.head_logits(x, proposer.head)
+            torch.testing.assert_close(logits, x @ target.lm_head.weight[proposer.head.ids].T, atol=1e-4, rtol=1e-4)

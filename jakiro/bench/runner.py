@@ -153,12 +153,19 @@ class _Answerer:
 
 def head_coverage(drafter, prompt: list[int], answer: list[int]) -> dict:
     """How many of an answer's tokens a draft's head could propose at all: with the draft
-    vocabulary in use alone, and with the prompt's tokens added (``DraftProposer.prompt_tokens``)."""
+    vocabulary in use alone, with the prompt's tokens added (``DraftProposer.prompt_tokens``),
+    and with the answer's earlier tokens too (the head takes them in as they come, up to
+    ``answer_vocab``; counted as if at once)."""
     answer_t = torch.tensor(answer)
     base = drafter.draft.head_ids(drafter.head_vocab)
     with_prompt = drafter.draft.head_ids(drafter.head_vocab, drafter.prompt_tokens(prompt))
+    held = torch.isin(answer_t, with_prompt)
+    seen, with_answer = set(), 0
+    for t, h in zip(answer, held.tolist()):
+        with_answer += h or (t in seen and drafter.answer_vocab > 0)
+        seen.add(t)
     return {"tokens": len(answer), "draft_vocab": int(torch.isin(answer_t, base).sum()),
-            "with_prompt": int(torch.isin(answer_t, with_prompt).sum())}
+            "with_prompt": int(held.sum()), "with_answer": with_answer}
 
 
 def _answer_all(cfg: BenchConfig, questions: list[dict], records: dict, done: set, answerer: _Answerer,
@@ -304,9 +311,10 @@ def _aggregate(turns: list[dict]) -> dict:
     else:
         out["tau"] = None
     covered = [t["head_coverage"] for t in turns if "head_coverage" in t]
-    if covered:  # share of answer tokens the draft's head holds: its vocabulary alone, and with the prompt's tokens
+    if covered:  # share of answer tokens the draft's head holds: its vocabulary alone, with the prompt's tokens, and the answer's
         n = sum(c["tokens"] for c in covered)
-        out["head_coverage"] = {k: sum(c[k] for c in covered) / n for k in ("draft_vocab", "with_prompt")}
+        out["head_coverage"] = {k: sum(c.get(k, c["with_prompt"]) for c in covered) / n
+                                for k in ("draft_vocab", "with_prompt", "with_answer")}
     return out
 
 

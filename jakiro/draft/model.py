@@ -60,11 +60,18 @@ class DraftHead:
         """The rows as the small-batch kernel reads them (see ``FastLinear``): their GGUF blocks
         laid out for it, or their float32 weight packed; None without the kernel."""
         if self._kernel is None and smallgemm.available() and self._lm_head.dtype == torch.float32:
-            base = self._base
-            start = base.size if base is not None and base.size % 16 == 0 and base.kernel_weight is not None else 0
-            # the layouts keep groups of 16 rows whole: a head extends its base's by its own rows
+            base, start = self._base, 0
+            if base is not None and base.size % 16 == 0 and base.kernel_weight is not None:
+                n = min(base.size, self.size)
+                differ = (base.ids[:n] != self.ids[:n]).nonzero()
+                start = (n if len(differ) == 0 else int(differ[0])) // 16 * 16
+            # the layouts keep groups of 16 rows whole, one after the other: a head keeps the
+            # groups it shares with its base and lays out only the rows after them
             new = self._lay_out(self.ids[start:])
-            self._kernel = torch.cat((base.kernel_weight, new)) if start else new
+            if start:
+                kept = base.kernel_weight[:base.kernel_weight.shape[0] * start // base.size]
+                new = torch.cat((kept, new))
+            self._kernel = new
         return self._kernel
 
     def _lay_out(self, ids: torch.Tensor) -> torch.Tensor:
@@ -265,6 +272,18 @@ class DraftModel(nn.Module):
             return base
         ids = self.head_ids(limit, extra)
         return base if len(ids) == base.size else DraftHead(ids, self._lm_head, self._head_blocks, base=base)
+
+    def extend_head(self, head: DraftHead, extra: torch.Tensor, limit: int | None = None) -> DraftHead:
+        """``head(limit, extra)`` for a request whose head ``head`` was built from the first
+        entries of ``extra``: the groups of 16 rows the two share keep their layout, only the
+        rows after them (the new tokens and the padding) are laid out."""
+        ids = self.head_ids(limit, extra)
+        if torch.equal(ids, head.ids):
+            return head
+        grown = DraftHead(ids, self._lm_head, self._head_blocks, base=head)
+        grown.kernel_weight  # laid out now, so that the request's earlier heads can go
+        grown._base = None
+        return grown
 
     def _head_of(self, head: "DraftHead | int | None") -> DraftHead:
         return head if isinstance(head, DraftHead) else self.head(head)
