@@ -112,7 +112,7 @@ PROMPT_VOCAB_MAX = 512  # at most this many of a prompt's tokens join the draft 
 ANSWER_VOCAB_MAX = 512  # at most this many tokens of a request's own answer join its head beyond
 # the prompt's: an answer repeats the names and rare words it introduced (the README's first
 # prompt: 0.72 of its answer's tokens are in the tuned 2,048-token head, 0.85 once the answer's
-# earlier tokens join it; development prompts 0.92 -> 0.95 on top of the prompt's tokens)
+# earlier tokens join it: docs/experiments/answer_vocab_ab.py)
 
 
 class _Candidates:
@@ -246,9 +246,10 @@ class DraftProposer(Proposer):
         prompt's (``prompt_tokens``, at its first proposal): the rows it had keep their layout
         (``DraftModel.extend_head``)."""
         if self._grown_to is None:
-            self._extra = self.prompt_tokens(context).tolist()
+            extra = self.prompt_tokens(context)
+            self._extra = extra.tolist()
             self._head_tokens = set(self.draft.head(self.head_vocab).ids.tolist()) | set(self._extra)
-            self._head = self.draft.head(self.head_vocab, extra=torch.tensor(self._extra, dtype=torch.long))
+            self._head = self.draft.head(self.head_vocab, extra=extra)  # ``prompt_head(context)``
         else:
             room = self.answer_vocab - self._answer_rows
             new = [t for t in dict.fromkeys(context[self._grown_to:]) if t not in self._head_tokens][:max(room, 0)]
