@@ -16,6 +16,8 @@ from jakiro.models.linear import SMALL_ROWS, FastLinear
 
 needs_kernel = pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")
 needs_tiles = pytest.mark.skipif(not smallgemm.tiles_enabled(), reason="no AMX tile unit (or kernel) here")
+needs_tile_layout = pytest.mark.skipif(not (smallgemm.tiles_enabled() or smallgemm.int8_enabled()),
+                                       reason="neither AMX tiles nor AVX-512 VNNI (or their kernels) here")
 gguf = pytest.importorskip("gguf")
 TYPES = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 
@@ -39,7 +41,7 @@ def test_packed_blocks_dequantize_bitwise_to_ggufs_values(kind):
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 11, 16, 17, SMALL_ROWS, SMALL_ROWS + 3])
 # 70 outputs: the portable kernel's six spans of 12 rows, the last two groups one row short;
-# 112: seven tile groups (on AMX CPUs), two or three in flight and a remainder
+# 112: seven tile groups (AMX tiles or the int8 kernel), on AMX two or three in flight and a remainder
 @pytest.mark.parametrize("out", [70, 112])
 def test_quantized_kernel_matches_the_dequantized_matrix(kind, rows, out):
     cols = 576
@@ -48,7 +50,7 @@ def test_quantized_kernel_matches_the_dequantized_matrix(kind, rows, out):
     bias = torch.randn(out)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     layer = FastLinear(reference, bias, quantized=(kind, packed))
-    assert layer.tiles == (out % 16 == 0 and smallgemm.tiles_enabled())
+    assert layer.tiles == (out % 16 == 0 and (smallgemm.tiles_enabled() or smallgemm.int8_enabled()))
     got = layer(x)
     expected = torch.nn.functional.linear(x.double(), reference.double(), bias.double()).float()
     torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-5)
@@ -59,10 +61,10 @@ def test_quantized_kernel_matches_the_dequantized_matrix(kind, rows, out):
         assert torch.equal(layer(x[-1:]), got[-1:])
 
 
-@needs_tiles
+@needs_tile_layout
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_tile_kernel_keeps_float32_accuracy_on_hard_inputs(kind):
-    """Inputs go through the tile unit as three bytes per value, scaled per block of 32 (each
+    """Inputs go through the tile unit (or the int8 kernel) as three bytes per value, scaled per block of 32 (each
     rounded by at most 2^-22 of its block's largest value): blocks with one huge value, of tiny
     or zero values, and values at the rounding boundaries of the byte split stay within that
     rounding plus float32 arithmetic; a non-finite input gives a non-finite output."""
@@ -105,10 +107,10 @@ def one_byte_case(reference: torch.Tensor, cols: int):
     return x, expected, 2.0 ** -6 * (block_max @ w) + 2e-6 * (x.double().abs() @ w)
 
 
-@needs_tiles
+@needs_tile_layout
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 def test_one_byte_inputs_stay_within_their_rounding_and_keep_rows_independent(kind):
-    """A draft's rows go through the tile unit as one byte per value (int8 scaled per block of
+    """A draft's rows go through the tile unit (or the int8 kernel) as one byte per value (int8 scaled per block of
     32: each value rounded by at most 2^-6 of its block's largest), at a third of the per-row
     cost; a row's result still does not depend on the rows that come with it. Input widths other
     than one or three bytes are refused."""
@@ -136,14 +138,13 @@ def test_int8_kernel_for_draft_blocks_stays_within_one_byte_rounding():
     """On CPUs with AVX-512 VNNI and no tiles, a draft's Q8_0 blocks (one byte per input) go
     through the int8 kernel: within the same rounding bound as the tile unit's one-byte inputs,
     a row's result independent of the rows with it, zero and non-finite blocks handled; the
-    target's blocks (three bytes) stay in the exact float32 kernel, and the int8 layout refuses
-    three-byte inputs."""
+    target's blocks (three bytes per input, float32 accuracy) go through it too."""
     out, cols = 48, 256
     raw, reference = quantized_matrix("q8_0", out, cols, seed=9)
     packed = quant.pack_blocks(raw, "q8_0", out, cols)
     layer = FastLinear(reference, quantized=("q8_0", packed), input_bytes=1)
     assert layer.tiles and layer.blocks.shape[0] == out // 16
-    assert not FastLinear(reference, quantized=("q8_0", packed)).tiles
+    assert FastLinear(reference, quantized=("q8_0", packed)).tiles
     x, expected, bound = one_byte_case(reference, cols)
     got = layer(x)
     assert bool(((got.double() - expected).abs() <= bound).all())
@@ -152,8 +153,6 @@ def test_int8_kernel_for_draft_blocks_stays_within_one_byte_rounding():
         assert torch.equal(layer(x[i:i + 1]), got[i:i + 1])
     x[5, 40] = float("nan")
     assert bool(layer(x)[5].isnan().all()) and not bool(layer(x)[4].isnan().any())
-    with pytest.raises(RuntimeError, match="1 byte"):
-        smallgemm.quantized_linear(x, layer.blocks, out, 3)
 
 
 @needs_int8
@@ -182,20 +181,20 @@ def test_int8_kernel_for_q4_1_blocks_stays_within_one_byte_rounding(rows):
 
 
 def test_tile_kernel_can_be_switched_off(tmp_path):
+    """JAKIRO_AMX=0 and JAKIRO_INT8=0 keep GGUF blocks in the float32 kernel's layout, whether
+    taken with three bytes per input (a target) or one (a draft)."""
     import os
     import subprocess
     import sys
     code = ("from jakiro.models import smallgemm; import torch; "
-            "print(smallgemm.tiles_enabled(), smallgemm.tile_layout(torch.zeros(16, 2, 24, dtype=torch.uint8)).shape)")
-    env = dict(os.environ, JAKIRO_AMX="0")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.split("\n")[-2] == "False torch.Size([16, 2, 24])"
-    # the int8 kernel likewise: a draft's Q8_0 blocks stay in the float32 kernel's layout
-    code = ("from jakiro.models import smallgemm; import torch; "
-            "print(smallgemm.int8_enabled(), smallgemm.tile_layout(torch.zeros(16, 2, 40, dtype=torch.uint8), 1).shape)")
+            "print(smallgemm.tiles_enabled(), smallgemm.int8_enabled(), "
+            "smallgemm.tile_layout(torch.zeros(16, 2, 24, dtype=torch.uint8)).shape, "
+            "smallgemm.tile_layout(torch.zeros(16, 2, 40, dtype=torch.uint8), 1).shape)")
     env = dict(os.environ, JAKIRO_AMX="0", JAKIRO_INT8="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
-    assert out.split("\n")[-2] == "False torch.Size([16, 2, 40])"
+    assert out.split("\n")[-2] == "False False torch.Size([16, 2, 24]) torch.Size([16, 2, 40])"
+    if smallgemm.tiles_enabled() or smallgemm.int8_enabled():  # and here, on, they lay them out
+        assert smallgemm.tile_layout(torch.zeros(16, 2, 24, dtype=torch.uint8)).shape[0] == 1
 
 
 def test_matrices_that_do_not_reproduce_the_model_stay_float32(tmp_path):
@@ -258,7 +257,8 @@ def test_default_target_quantized_decoding_steps_match_float32(smol):
     tiles = {"quantized_portable", "portable_over_tiles"} if model.tile_matrices else set()
     assert set(report) == {"quantized", "small_batch", "torch", "torch_over_small_batch",
                            "small_batch_over_quantized"} | tiles
-    assert model.tile_matrices == (4 * model.config.num_layers + 1 if smallgemm.tiles_enabled() else 0)
+    tile_kernel = smallgemm.tiles_enabled() or smallgemm.int8_enabled()
+    assert model.tile_matrices == (4 * model.config.num_layers + 1 if tile_kernel else 0)
     assert weight_bytes(model) < weight_bytes(smol.target) / 4  # Q4_1 layers and a Q8_0 head
 
 

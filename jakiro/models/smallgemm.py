@@ -148,10 +148,10 @@ def tiles_enabled() -> bool:
 
 
 def int8_enabled() -> bool:
-    """Whether blocks taken as int8 inputs (a draft's Q8_0 blocks; a target's with int8 activations) go
-    through the int8 kernel (``csrc/int8.cpp``): on CPUs with
-    AVX-512 VNNI and without AMX tiles (Zen 4 and later, Ice Lake and later), unless
-    ``JAKIRO_INT8=0``."""
+    """Whether GGUF blocks go through the int8 kernel (``csrc/int8.cpp``: integer dot products
+    of the weights' bytes and the inputs' one byte, drafts and int8 activations, or three, float32
+    accuracy): on CPUs with AVX-512 VNNI and without AMX tiles (Zen 4 and later, Ice Lake and
+    later), unless ``JAKIRO_INT8=0``."""
     if "int8" not in _state:
         _state["int8"] = (os.environ.get("JAKIRO_INT8", "1") not in ("", "0") and available()
                           and not tiles_enabled() and bool(torch.ops.jakiro_smallgemm.int8_usable()))
@@ -159,8 +159,8 @@ def int8_enabled() -> bool:
 
 
 def int8_disabled():
-    """Layers built inside stream a draft's Q8_0 blocks with the float32 kernel, not the int8 one
-    (for side-by-side measurements)."""
+    """Layers built inside stream GGUF blocks taken with float32 inputs through the float32
+    kernel, not the int8 one (for side-by-side measurements)."""
     return _switched_off("int8", int8_enabled)
 
 
@@ -178,12 +178,14 @@ def row_groups_disabled():
 
 
 def tile_layout(blocks: torch.Tensor, input_bytes: int = 3) -> torch.Tensor:
-    """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel runs here,
-    or, for blocks taken with one byte per input (``input_bytes`` 1: drafts, targets with int8
-    activations), where the int8 kernel does (out a multiple of 16 either way); else unchanged."""
+    """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel or the int8
+    (AVX-512 VNNI) one runs here (out a multiple of 16), else unchanged. Both take the inputs as
+    ``input_bytes`` bytes (1 or 3) with bitwise the same outputs."""
+    if input_bytes not in (1, 3):
+        raise ValueError(f"input_bytes must be 1 or 3, not {input_bytes}")
     if blocks.shape[0] % 16:
         return blocks
-    int8 = input_bytes == 1 and blocks.shape[2] in (Q8_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES) and int8_enabled()
+    int8 = blocks.shape[2] in (Q8_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES) and int8_enabled()
     if not (tiles_enabled() or int8):
         return blocks
     return torch.ops.jakiro_smallgemm.amx_pack(blocks)

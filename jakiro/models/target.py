@@ -28,7 +28,9 @@ ROPE_SLACK = 256  # positions beyond the context reserved for uncommitted draft-
 # 307 / 1014 ms (the float32 stack and the portable kernel lose to oneDNN from a few dozen tokens).
 # With the int8 kernel (int8 activations on AVX-512 VNNI CPUs without tiles) prompts of any length go
 # in pieces: on two Zen 4 EPYC cores 128 / 512 / 800 / 1200 / 2000 / 3000 tokens took 82 / 430 / 718 /
-# 1338 / 3144 / 6003 ms that way against 172 / 737 / 1205 / 2081 / 4161 / 7015 ms on oneDNN
+# 1338 / 3144 / 6003 ms that way against 172 / 737 / 1205 / 2081 / 4161 / 7015 ms on oneDNN. With
+# float32 inputs there (three bytes each) the limit is this one again: 256 / 512 / 1024 / 1536 tokens
+# took 365 / 751 / 1703 / 3285 ms in pieces against 386 / 854 / 1865 / 3040 ms on oneDNN
 CHUNKED_PREFILL_MAX = 512
 
 
@@ -217,7 +219,8 @@ class TargetModel:
         self._fused = self._fused_weights()
         # the longest prompt that runs in pieces (see CHUNKED_PREFILL_MAX); 0: none does
         self._longest_chunked_prompt = (0 if self._fused is None or not self.tile_matrices else
-                                        CHUNKED_PREFILL_MAX if smallgemm.tiles_enabled() else cfg.max_context)
+                                        cfg.max_context if input_bytes == 1 and not smallgemm.tiles_enabled()
+                                        else CHUNKED_PREFILL_MAX)
 
     @property
     def int8_activations(self) -> bool:
@@ -227,7 +230,7 @@ class TargetModel:
     @property
     def tile_matrices(self) -> int:
         """Weight matrices (as the runtime stacks them: q/k/v and gate/up in one) streamed through
-        the AMX kernel, or with int8 activations through the int8 one."""
+        the AMX kernel or the int8 (AVX-512 VNNI) one."""
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return sum(lin.tiles for lin in linears + [self.lm_head])
 
@@ -313,8 +316,8 @@ class TargetModel:
         e.g. (3, 15)): the features also carry the residual stream after that many decoder layers,
         [n, (1 + len(aux_layers)) * d], the final feature first (drafts with mid-layer inputs).
 
-        ``chunked`` (prompts): with the AMX kernel a causal run of up to ``CHUNKED_PREFILL_MAX``
-        tokens (with the int8 kernel, of any length) goes through the one-call stack in pieces of
+        ``chunked`` (prompts): with the AMX or the int8 kernel a causal run of up to ``CHUNKED_PREFILL_MAX``
+        tokens (with int8 activations on the int8 kernel, of any length) goes through the one-call stack in pieces of
         ``SMALL_ROWS`` instead of oneDNN over the float32 weights: faster, and each token gets bitwise the features that feeding the
         tokens one at a time gives (within float32 accuracy of the float32 weights, as every
         quantized forward).

@@ -21,6 +21,14 @@
 // costs 8 integer dot instructions and 3-4 vector operations per 16 columns and block: a step
 // over many rows is about three times cheaper, one row about as cheap (it streams the same
 // bytes). A row's outputs do not depend on the other rows.
+//
+// Three bytes per input (``input_bytes`` 3, a target's float32-accurate inputs) follow the tile
+// kernel's rule too: X = round(x * 2^(22 - E)) in three balanced signed bytes a1 2^16 + a2 2^8
+// + a3, each byte row's integer sums taken exactly (Q8_0: as a1 + 128 etc., less 128 sum(q)) and
+// recombined as amx.cpp does (Q4_1 in int32, Q8_0 in float32), so the outputs are bitwise the tile
+// kernel's: the same text on both kinds of CPU. 24 dot instructions a row per 16 columns and block
+// instead of the float32 kernel's 32 multiply-adds and the dequantization: one row streams at the
+// one-byte kernel's pace, a tree's rows cost about two thirds of the float32 kernel's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -75,13 +83,71 @@ void prepare(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, flo
     }
 }
 
+// x [M, K] -> three byte rows per input row, u [M][3][K] (the tile kernel's balanced bytes a1, a2,
+// a3 of X = round(x * 2^(22 - E)); each + 128 as unsigned bytes for signed weights, Q8_0), scale
+// [M, K / 32] (2^(E - 22); 0 for zeros, NaN for a non-finite block) and sums [M, K / 32]
+void prepare3(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, float* sums, bool offset) {
+  const int64_t nb = K / QB;
+  const __m512i bias = _mm512_set1_epi32(offset ? 128 : 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * QB;
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float sum = jakiro::hsum((jakiro::vf)lo) + jakiro::hsum((jakiro::vf)hi);
+      sums[m * nb + b] = sum;
+      uint8_t* ub = u + 3 * m * K + b * QB;
+      if (!(amax > 0) || !std::isfinite(amax) || !std::isfinite(sum)) {
+        for (int p = 0; p < 3; ++p) std::memset(ub + p * K, offset ? 128 : 0, QB);
+        scale[m * nb + b] = std::isfinite(sum) && !(amax > 0) ? 0.0f : NAN;
+        continue;
+      }
+      const int e = std::ilogb(amax) + 1;  // amax < 2^e
+      const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, 22 - e));
+      scale[m * nb + b] = std::ldexp(1.0f, e - 22);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, up));  // |X| <= 2^22
+        // balanced digits: a2 * 2^8 + a3 spans [-32896, 32639], so a1 = floor((X + 32896) / 2^16)
+        const __m512i a1 = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(32896)), 16);
+        const __m512i r1 = _mm512_sub_epi32(X, _mm512_slli_epi32(a1, 16));
+        const __m512i a2 = _mm512_srai_epi32(_mm512_add_epi32(r1, _mm512_set1_epi32(1 << 7)), 8);
+        const __m512i a3 = _mm512_sub_epi32(r1, _mm512_slli_epi32(a2, 8));
+        const __m512i digits[3] = {a1, a2, a3};
+        for (int p = 0; p < 3; ++p)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(ub + p * K + 16 * h),
+                           _mm512_cvtepi32_epi8(_mm512_add_epi32(digits[p], bias)));
+      }
+    }
+}
+
+// a row's three byte rows against a block's 8 weight rows: the exact integer sums of each (two
+// chains each: integer sums do not depend on the order, and one chain of 8 waits on its latency)
+template <bool Q4>
+inline void three_sums(const uint8_t* ur, int64_t K, const __m512i* q, __m512i* s) {
+  for (int p = 0; p < 3; ++p) {
+    const int32_t* up = reinterpret_cast<const int32_t*>(ur + p * K);
+    __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (Q4) {  // q in [0, 15] unsigned, the input bytes signed
+        a = _mm512_dpbusd_epi32(a, q[i], _mm512_set1_epi32(up[i]));
+        c = _mm512_dpbusd_epi32(c, q[i + 4], _mm512_set1_epi32(up[i + 4]));
+      } else {  // the input bytes + 128 unsigned, q signed
+        a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(up[i]), q[i]);
+        c = _mm512_dpbusd_epi32(c, _mm512_set1_epi32(up[i + 4]), q[i + 4]);
+      }
+    }
+    s[p] = _mm512_add_epi32(a, c);
+  }
+}
+
 // rows [0, RR) of u against one group of 16 columns (all blocks); y[r][0..16). The loops over rows
 // are unrolled so that the RR accumulators stay in registers: left to the compiler, for RR = 8 it
 // kept them on the stack and unrolled the blocks instead (on two Zen 4 cores a tree forward of 8
 // tokens took 11.7-13.9 ms that way, 9.4-10.8 ms unrolled; the Q8_0 head over 8 rows 3.3 -> 0.9-2.1 ms)
-template <bool Q4, int RR>
+template <bool Q4, int RR, int P>
 void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t K, const uint8_t* w, float* y,
                 int64_t ldy, int64_t cols) {
+  static_assert(P == 1 || P == 3, "one or three bytes per input");
   constexpr int64_t BB = jakiro::amx_pack_bytes(Q4);
   const int64_t nb = K / QB;
   __m512 acc[RR];
@@ -99,6 +165,20 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t
         const __m512i raw = _mm512_loadu_si512(blk + 2 * G * 4 + 64 * i);
         q[i] = _mm512_and_si512(raw, nibble);
         q[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
+      }
+      if constexpr (P == 3) {
+        // as the tile kernel: the three sums recombined exactly in int32, then acc + d 2^(E - 22) v + m sum(x)
+#pragma GCC unroll 8
+        for (int r = 0; r < RR; ++r) {
+          __m512i c[3];
+          three_sums<true>(u + 3 * r * K + b * QB, K, q, c);
+          const __m512 v = _mm512_cvtepi32_ps(
+              _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(c[0], 16), _mm512_slli_epi32(c[1], 8)), c[2]));
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), v, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(blk) + G),
+                                   _mm512_set1_ps(sums[r * nb + b]), acc[r]);
+        }
+        continue;
       }
       // q in [0, 15] is the unsigned operand, the signed input bytes X the other: sum(q X) at once
 #pragma GCC unroll 8
@@ -118,6 +198,19 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t
     __m512i qsum = _mm512_setzero_si512();
     for (int i = 0; i < 8; ++i) qsum = _mm512_dpbusd_epi32(qsum, ones, q[i]);
     const __m512i offset = _mm512_slli_epi32(qsum, 7);  // 128 sum(q)
+    if constexpr (P == 3) {  // as the tile kernel: the three sums recombined in float32
+#pragma GCC unroll 8
+      for (int r = 0; r < RR; ++r) {
+        __m512i c[3];
+        three_sums<false>(u + 3 * r * K + b * QB, K, q, c);
+        const __m512 v = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_sub_epi32(c[0], offset)), _mm512_set1_ps(65536.0f),
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(c[1], offset)), _mm512_set1_ps(256.0f),
+                            _mm512_cvtepi32_ps(_mm512_sub_epi32(c[2], offset))));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), v, acc[r]);
+      }
+      continue;
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < RR; ++r) {
       const int32_t* ur = reinterpret_cast<const int32_t*>(u + r * K + b * QB);
@@ -141,26 +234,45 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t
 
 constexpr int RB = 8;  // rows per register block: 8 accumulators beside the block's 8 weight rows
 
-template <bool Q4>
+template <bool Q4, int P>
 void group_rows(const uint8_t* u, const float* scale, const float* sums, int64_t M, int64_t K, const uint8_t* w,
                 float* y, int64_t N, int64_t cols) {
   const int64_t nb = K / QB;
   int64_t m = 0;
-  for (; m + RB <= M; m += RB) rows_block<Q4, RB>(u + m * K, scale + m * nb, sums + m * nb, K, w, y + m * N, N, cols);
-  const uint8_t* um = u + m * K;
+  for (; m + RB <= M; m += RB)
+    rows_block<Q4, RB, P>(u + P * m * K, scale + m * nb, sums + m * nb, K, w, y + m * N, N, cols);
+  const uint8_t* um = u + P * m * K;
   const float* sm = scale + m * nb;
   const float* xm = sums + m * nb;
   float* ym = y + m * N;
   switch (M - m) {
-    case 7: rows_block<Q4, 7>(um, sm, xm, K, w, ym, N, cols); break;
-    case 6: rows_block<Q4, 6>(um, sm, xm, K, w, ym, N, cols); break;
-    case 5: rows_block<Q4, 5>(um, sm, xm, K, w, ym, N, cols); break;
-    case 4: rows_block<Q4, 4>(um, sm, xm, K, w, ym, N, cols); break;
-    case 3: rows_block<Q4, 3>(um, sm, xm, K, w, ym, N, cols); break;
-    case 2: rows_block<Q4, 2>(um, sm, xm, K, w, ym, N, cols); break;
-    case 1: rows_block<Q4, 1>(um, sm, xm, K, w, ym, N, cols); break;
+    case 7: rows_block<Q4, 7, P>(um, sm, xm, K, w, ym, N, cols); break;
+    case 6: rows_block<Q4, 6, P>(um, sm, xm, K, w, ym, N, cols); break;
+    case 5: rows_block<Q4, 5, P>(um, sm, xm, K, w, ym, N, cols); break;
+    case 4: rows_block<Q4, 4, P>(um, sm, xm, K, w, ym, N, cols); break;
+    case 3: rows_block<Q4, 3, P>(um, sm, xm, K, w, ym, N, cols); break;
+    case 2: rows_block<Q4, 2, P>(um, sm, xm, K, w, ym, N, cols); break;
+    case 1: rows_block<Q4, 1, P>(um, sm, xm, K, w, ym, N, cols); break;
     default: break;
   }
+}
+
+template <int P>
+void linear_bytes(const float* x, int64_t M, int64_t K, const uint8_t* wp, bool q4, int64_t N, float* y) {
+  const int64_t nb = K / QB, BB = jakiro::amx_pack_bytes(q4);
+  std::vector<uint8_t> u(P * M * K);
+  std::vector<float> scale(M * nb), sums(M * nb);
+  if constexpr (P == 1)
+    prepare(x, M, K, u.data(), scale.data(), sums.data(), !q4);
+  else
+    prepare3(x, M, K, u.data(), scale.data(), sums.data(), !q4);
+  at::parallel_for(0, N / G, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      if (q4)
+        group_rows<true, P>(u.data(), scale.data(), sums.data(), M, K, wp + g * nb * BB, y + g * G, N, G);
+      else
+        group_rows<false, P>(u.data(), scale.data(), sums.data(), M, K, wp + g * nb * BB, y + g * G, N, G);
+  });
 }
 
 #endif  // JAKIRO_VNNI
@@ -177,24 +289,17 @@ bool int8_usable() {
 #endif
 }
 
-void int8_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y) {
+void int8_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
+                      int64_t input_bytes) {
   const bool q4 = w.dim() == 3 && w.size(2) == jakiro::amx_pack_bytes(true);
   TORCH_CHECK(w.dim() == 3 && (q4 || w.size(2) == Q8_TILE_BYTES) && w.size(0) * G == N && w.size(1) * QB == K,
               "int8 kernel: expected Q8_0 or Q4_1 blocks in the tile layout for this matrix");
+  TORCH_CHECK(input_bytes == 1 || input_bytes == 3, "the int8 kernel takes inputs as 1 or 3 bytes");
 #if defined(JAKIRO_VNNI)
-  const int64_t nb = K / QB, BB = jakiro::amx_pack_bytes(q4);
-  std::vector<uint8_t> u(M * K);
-  std::vector<float> scale(M * nb), sums(M * nb);
-  prepare(x, M, K, u.data(), scale.data(), sums.data(), !q4);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t groups = N / G;
-  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      if (q4)
-        group_rows<true>(u.data(), scale.data(), sums.data(), M, K, wp + g * nb * BB, y + g * G, N, G);
-      else
-        group_rows<false>(u.data(), scale.data(), sums.data(), M, K, wp + g * nb * BB, y + g * G, N, G);
-  });
+  if (input_bytes == 1)
+    linear_bytes<1>(x, M, K, w.data_ptr<uint8_t>(), q4, N, y);
+  else
+    linear_bytes<3>(x, M, K, w.data_ptr<uint8_t>(), q4, N, y);
 #else
   (void)x, (void)M, (void)y;
   TORCH_CHECK(false, "this build has no int8 (AVX-512 VNNI) kernel");

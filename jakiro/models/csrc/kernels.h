@@ -60,10 +60,12 @@ bool amx_weight(const at::Tensor& w);
 void amx_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
                      int64_t input_bytes);
 
-// The int8 kernel (int8.cpp; drafts, and targets with int8 activations): whether this build has
-// it (AVX-512 VNNI), and y [M, N] = x [M, K] @ W^T for Q8_0 or Q4_1 blocks in the AMX kernel's
-// layout, x taken as one byte per input (as the AMX kernel's ``input_bytes`` 1) on CPUs without tiles.
+// The int8 kernel (int8.cpp; on CPUs with AVX-512 VNNI and without tiles): whether this build has
+// it, and y [M, N] = x [M, K] @ W^T for Q8_0 or Q4_1 blocks in the AMX kernel's layout, x taken
+// as 1 byte per input (drafts, targets with int8 activations) or 3 (float32 accuracy), bitwise
+// as the AMX kernel's ``input_bytes``.
 bool int8_usable();
-void int8_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y);
+void int8_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
+                      int64_t input_bytes);
 
 }  // namespace jakiro

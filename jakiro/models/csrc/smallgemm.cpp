@@ -449,10 +449,8 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
     linear_rows(x, M, K, w.data_ptr<float>(), N, bias, y);
     return;
   }
-  if (amx_weight(w) && !amx_usable()) {  // tile layout without tiles: the int8 kernel (drafts, int8 activations)
-    TORCH_CHECK(input_bytes == 1, "without AMX tiles, blocks in the tile layout take inputs as 1 byte (int8)");
-    int8_linear_rows(x, M, K, w, N, y);
-  }
+  if (amx_weight(w) && !amx_usable())  // tile layout without tiles: the int8 (AVX-512 VNNI) kernel
+    int8_linear_rows(x, M, K, w, N, y, input_bytes);
   else if (amx_weight(w))
     amx_linear_rows(x, M, K, w, N, y, input_bytes);
   else if (w.size(2) == block_bytes<true>())
