@@ -134,15 +134,15 @@ def verification_costs(vocab: int, repeats: int, sizes=(1, 8, 16)) -> dict:
 def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int, rounds: int = 3) -> dict:
     """Forward costs with the small-batch kernel (``with_kernel``, a loaded target) and with
     torch's kernels (a second copy), and where ``with_kernel`` streams quantized weights also
-    with the kernel on float32 weights (a third) and, where it streams them through the AMX
-    kernel, with the portable quantized kernel (a fourth), measured alternately (machine drift
-    hits all alike); medians over ``rounds``."""
+    with the kernel on float32 weights (a third) and, where it streams them through the AMX or
+    the int8 kernel, with the portable quantized kernel (a fourth), measured alternately (machine
+    drift hits all alike); medians over ``rounds``."""
     from ..models.target import TargetModel
     models = {}
     if with_kernel.quantized_matrices:
         models["quantized"] = with_kernel
         if with_kernel.tile_matrices:
-            with smallgemm.tiles_disabled():
+            with smallgemm.int8_disabled(), smallgemm.tiles_disabled():  # int8 first: it asks whether tiles run
                 models["quantized_portable"] = TargetModel.from_folder(target_path, quantized=True)
         models["small_batch"] = TargetModel.from_folder(target_path, quantized=False)
     else:
