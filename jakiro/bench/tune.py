@@ -62,7 +62,7 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
         # untimed: the first drafted generation pays one-time setup (on a Zen 4 the first tree
         # screened, a two-token chain, measured 90 tokens/s against 150-200 when measured later,
         # and was dropped from the second round)
-        _measure(tuning.engine_for(configs[0]), prompts_ids[:1], min(SCREEN_TOKENS, max_new_tokens))
+        tuning.engine_for(configs[0]).generate(prompts_ids[0], min(SCREEN_TOKENS, max_new_tokens))
         screened = [tuning.measure(row, prompts_ids[:1], min(SCREEN_TOKENS, max_new_tokens), 1) for row in configs]
         screened.sort(key=lambda r: r["tokens_per_s"], reverse=True)
         finals = [tuning.measure(row, prompts_ids, max_new_tokens, 2) for row in screened[:survivors]]
