@@ -189,7 +189,7 @@ def test_tile_kernel_can_be_switched_off(tmp_path):
     code = ("from jakiro.models import smallgemm; import torch; "
             "print(smallgemm.tiles_enabled(), smallgemm.int8_enabled(), "
             "smallgemm.tile_layout(torch.zeros(16, 2, 24, dtype=torch.uint8)).shape, "
-            "smallgemm.tile_layout(torch.zeros(16, 2, 40, dtype=torch.uint8), 1).shape)")
+            "smallgemm.tile_layout(torch.zeros(16, 2, 40, dtype=torch.uint8)).shape)")
     env = dict(os.environ, JAKIRO_AMX="0", JAKIRO_INT8="0")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.split("\n")[-2] == "False False torch.Size([16, 2, 24]) torch.Size([16, 2, 40])"

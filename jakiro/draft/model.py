@@ -76,7 +76,7 @@ class DraftHead:
 
     def _lay_out(self, ids: torch.Tensor) -> torch.Tensor:
         if self._head_blocks is not None:
-            return smallgemm.tile_layout(self._head_blocks[1][ids].contiguous(), INPUT_BYTES)
+            return smallgemm.tile_layout(self._head_blocks[1][ids].contiguous())
         return smallgemm.pack(self.weight if self._base is None else self._lm_head[ids].contiguous())
 
     @property

@@ -52,8 +52,8 @@ class FastLinear:
         self.element_size = weight.element_size()
         use_small = weight.dtype == torch.float32 and smallgemm.available()
         self.quantized = quantized if use_small else None
-        # what the kernel reads: the blocks, in the AMX kernel's layout where it runs
-        self.blocks = smallgemm.tile_layout(quantized[1], input_bytes) if self.quantized is not None else None
+        # what the kernel reads: the blocks, in the AMX kernel's layout where it or the int8 kernel runs
+        self.blocks = smallgemm.tile_layout(quantized[1]) if self.quantized is not None else None
         self.small = smallgemm.pack(weight) if use_small and quantized is None else None
         self.packed = _pack(weight)
         small_path = self.small is not None or self.quantized is not None

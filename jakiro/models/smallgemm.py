@@ -159,8 +159,8 @@ def int8_enabled() -> bool:
 
 
 def int8_disabled():
-    """Layers built inside stream GGUF blocks taken with float32 inputs through the float32
-    kernel, not the int8 one (for side-by-side measurements)."""
+    """Layers built inside stream GGUF blocks (a target's, a draft's) through the float32 kernel,
+    not the int8 one (for side-by-side measurements)."""
     return _switched_off("int8", int8_enabled)
 
 
@@ -177,12 +177,10 @@ def row_groups_disabled():
         torch.ops.jakiro_smallgemm.set_row_groups(True)
 
 
-def tile_layout(blocks: torch.Tensor, input_bytes: int = 3) -> torch.Tensor:
+def tile_layout(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel or the int8
     (AVX-512 VNNI) one runs here (out a multiple of 16), else unchanged. Both take the inputs as
-    ``input_bytes`` bytes (1 or 3) with bitwise the same outputs."""
-    if input_bytes not in (1, 3):
-        raise ValueError(f"input_bytes must be 1 or 3, not {input_bytes}")
+    1 or 3 bytes (``quantized_linear``'s ``input_bytes``) with bitwise the same outputs."""
     if blocks.shape[0] % 16:
         return blocks
     int8 = blocks.shape[2] in (Q8_0_BLOCK_BYTES, Q4_1_BLOCK_BYTES) and int8_enabled()

@@ -52,41 +52,16 @@ constexpr int64_t Q8_TILE_BYTES = jakiro::amx_pack_bytes(false);  // amx_pack's 
 
 #if defined(JAKIRO_VNNI)
 
-// x [M, K] -> u [M, K] (X + 128 as unsigned bytes for signed weights, Q8_0; X as signed bytes for
-// Q4_1's unsigned ones), scale [M, K / 32] (2^(E - 7), 0 for a block of zeros, NaN for a
-// non-finite block, which makes its outputs NaN as float32 arithmetic would) and the blocks'
-// sums [M, K / 32] (for Q4_1's offsets m: m * sum(x), as the tile kernel takes them)
+// x [M, K] -> P byte rows per input row, u [M][P][K], scale [M, K / 32] and the blocks' sums
+// [M, K / 32] (for Q4_1's offsets m: m * sum(x), as the tile kernel takes them). P = 1: X =
+// round(x * 2^(7 - E)) clamped to [-127, 127]; P = 3: X = round(x * 2^(22 - E)) as the tile
+// kernel's balanced bytes a1, a2, a3. The bytes are signed for Q4_1's unsigned weights and + 128
+// (unsigned) for Q8_0's signed ones; the scale is 2^(E - 7) or 2^(E - 22), 0 for a block of zeros,
+// NaN for a non-finite block (which makes its outputs NaN as float32 arithmetic would).
+template <int P>
 void prepare(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, float* sums, bool offset) {
-  const int64_t nb = K / QB;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + m * K + b * QB;
-      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float sum = jakiro::hsum((jakiro::vf)lo) + jakiro::hsum((jakiro::vf)hi);
-      sums[m * nb + b] = sum;
-      uint8_t* ub = u + m * K + b * QB;
-      if (!(amax > 0) || !std::isfinite(amax) || !std::isfinite(sum)) {
-        std::memset(ub, offset ? 128 : 0, QB);
-        scale[m * nb + b] = std::isfinite(sum) && !(amax > 0) ? 0.0f : NAN;
-        continue;
-      }
-      const int e = std::ilogb(amax) + 1;  // amax < 2^e
-      const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, 7 - e));
-      scale[m * nb + b] = std::ldexp(1.0f, e - 7);
-      for (int h = 0; h < 2; ++h) {
-        __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, up));
-        X = _mm512_max_epi32(_mm512_min_epi32(X, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-        if (offset) X = _mm512_add_epi32(X, _mm512_set1_epi32(128));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(ub + 16 * h), _mm512_cvtepi32_epi8(X));
-      }
-    }
-}
-
-// x [M, K] -> three byte rows per input row, u [M][3][K] (the tile kernel's balanced bytes a1, a2,
-// a3 of X = round(x * 2^(22 - E)); each + 128 as unsigned bytes for signed weights, Q8_0), scale
-// [M, K / 32] (2^(E - 22); 0 for zeros, NaN for a non-finite block) and sums [M, K / 32]
-void prepare3(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, float* sums, bool offset) {
+  static_assert(P == 1 || P == 3, "one or three bytes per input");
+  constexpr int S = P == 1 ? 7 : 22;
   const int64_t nb = K / QB;
   const __m512i bias = _mm512_set1_epi32(offset ? 128 : 0);
   for (int64_t m = 0; m < M; ++m)
@@ -96,24 +71,28 @@ void prepare3(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, fl
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const float sum = jakiro::hsum((jakiro::vf)lo) + jakiro::hsum((jakiro::vf)hi);
       sums[m * nb + b] = sum;
-      uint8_t* ub = u + 3 * m * K + b * QB;
+      uint8_t* ub = u + P * m * K + b * QB;
       if (!(amax > 0) || !std::isfinite(amax) || !std::isfinite(sum)) {
-        for (int p = 0; p < 3; ++p) std::memset(ub + p * K, offset ? 128 : 0, QB);
+        for (int p = 0; p < P; ++p) std::memset(ub + p * K, offset ? 128 : 0, QB);
         scale[m * nb + b] = std::isfinite(sum) && !(amax > 0) ? 0.0f : NAN;
         continue;
       }
       const int e = std::ilogb(amax) + 1;  // amax < 2^e
-      const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, 22 - e));
-      scale[m * nb + b] = std::ldexp(1.0f, e - 22);
+      const __m512 up = _mm512_set1_ps(std::ldexp(1.0f, S - e));
+      scale[m * nb + b] = std::ldexp(1.0f, e - S);
       for (int h = 0; h < 2; ++h) {
-        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, up));  // |X| <= 2^22
-        // balanced digits: a2 * 2^8 + a3 spans [-32896, 32639], so a1 = floor((X + 32896) / 2^16)
-        const __m512i a1 = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(32896)), 16);
-        const __m512i r1 = _mm512_sub_epi32(X, _mm512_slli_epi32(a1, 16));
-        const __m512i a2 = _mm512_srai_epi32(_mm512_add_epi32(r1, _mm512_set1_epi32(1 << 7)), 8);
-        const __m512i a3 = _mm512_sub_epi32(r1, _mm512_slli_epi32(a2, 8));
-        const __m512i digits[3] = {a1, a2, a3};
-        for (int p = 0; p < 3; ++p)
+        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(h ? hi : lo, up));  // |X| <= 2^S
+        __m512i digits[P];
+        if constexpr (P == 1) {
+          digits[0] = _mm512_max_epi32(_mm512_min_epi32(X, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        } else {
+          // balanced digits: a2 * 2^8 + a3 spans [-32896, 32639], so a1 = floor((X + 32896) / 2^16)
+          digits[0] = _mm512_srai_epi32(_mm512_add_epi32(X, _mm512_set1_epi32(32896)), 16);
+          const __m512i r1 = _mm512_sub_epi32(X, _mm512_slli_epi32(digits[0], 16));
+          digits[1] = _mm512_srai_epi32(_mm512_add_epi32(r1, _mm512_set1_epi32(1 << 7)), 8);
+          digits[2] = _mm512_sub_epi32(r1, _mm512_slli_epi32(digits[1], 8));
+        }
+        for (int p = 0; p < P; ++p)
           _mm_storeu_si128(reinterpret_cast<__m128i*>(ub + p * K + 16 * h),
                            _mm512_cvtepi32_epi8(_mm512_add_epi32(digits[p], bias)));
       }
@@ -262,10 +241,7 @@ void linear_bytes(const float* x, int64_t M, int64_t K, const uint8_t* wp, bool 
   const int64_t nb = K / QB, BB = jakiro::amx_pack_bytes(q4);
   std::vector<uint8_t> u(P * M * K);
   std::vector<float> scale(M * nb), sums(M * nb);
-  if constexpr (P == 1)
-    prepare(x, M, K, u.data(), scale.data(), sums.data(), !q4);
-  else
-    prepare3(x, M, K, u.data(), scale.data(), sums.data(), !q4);
+  prepare<P>(x, M, K, u.data(), scale.data(), sums.data(), !q4);
   at::parallel_for(0, N / G, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       if (q4)
