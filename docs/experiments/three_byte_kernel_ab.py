@@ -11,11 +11,11 @@ targets' texts may differ: their sums are rounded differently, both within float
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from jakiro.api import Jakiro, load_tokenizer
+from jakiro.decoding.costs import forward_costs
 from jakiro.models import smallgemm
 from jakiro.models.hub import resolve_target
 from jakiro.models.target import TargetModel
@@ -23,18 +23,6 @@ from sampled_chain_ab import development_prompts
 
 FIRST = "Explain speculative decoding in three sentences."
 KERNELS = ("float32", "three-byte")
-
-
-def forward_ms(model, rows: int, repeats: int = 4) -> float:
-    cache = model.new_cache(512)
-    model(torch.arange(100), cache, chunked=True)
-    cache.commit(100)
-    ids = torch.arange(rows) + 7
-    model(ids, cache)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        model(ids, cache)
-    return (time.perf_counter() - start) / repeats * 1e3
 
 
 def main() -> None:
@@ -62,13 +50,12 @@ def main() -> None:
         jks[name] = jk
 
     sizes = (1, 2, 3, 4, 8, 16)
-    ms = {k: {n: [] for n in sizes} for k in KERNELS}
-    for _ in range(10):
-        for n in sizes:
-            for k in KERNELS:
-                ms[k][n].append(forward_ms(jks[k].target, n))
+    rounds = {k: [] for k in KERNELS}  # the two targets alternately, each round medians of 5 per size
+    for _ in range(4):
+        for k in KERNELS:
+            rounds[k].append(forward_costs(jks[k].target, 100, repeats=5, sizes=sizes))
     for k in KERNELS:
-        med = {n: statistics.median(v) for n, v in ms[k].items()}
+        med = {n: statistics.median(r[n] for r in rounds[k]) for n in sizes}
         print(f"{k:10s} forward ms:", {n: round(v, 2) for n, v in med.items()},
               "x t(1):", {n: round(v / med[1], 2) for n, v in med.items()}, flush=True)
 
