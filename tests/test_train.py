@@ -69,17 +69,29 @@ def _random_sequence(draft, length: int, seed: int, first_loss: int):
     return ids, feats, mask
 
 
-@pytest.mark.parametrize("method", ["eagle2", "jakiro"])
-def test_unrolled_training_steps_equal_drafting_with_a_cache(tiny_setup, method):
+@pytest.mark.parametrize("method,loss_at", [("eagle2", None), ("jakiro", None), ("eagle2", (7, 8, 12)),
+                                            ("jakiro", (7, 8, 12))])
+def test_unrolled_training_steps_equal_drafting_with_a_cache(tiny_setup, method, loss_at):
     """Step s of row j in training computes exactly what drafting computes s steps deep from root j:
-    the target's features up to j, then the draft's own carried features and the path's tokens."""
+    the target's features up to j, then the draft's own carried features and the path's tokens.
+    With loss on a few positions only (``loss_at``), each step computes only the rows whose own
+    or later predictions land there, and those rows are still exact."""
     target, _ = tiny_setup
     draft = _random_draft(method, target).eval()
     L, d = 14, draft.config.hidden_size
     ids, feats, mask = _random_sequence(draft, L, seed=1, first_loss=0)
+    if loss_at is not None:
+        mask[:] = False
+        mask[0, list(loss_at)] = True
     with torch.no_grad():
         steps = {rows.step: rows for rows in unroll(draft, ids, feats, mask, 3)}
-        for root in (0, 4, 9):
+        roots = (0, 4, 9)
+        if loss_at is not None:  # step s computes root j when j + s .. j + 3 holds a loss position
+            for s, rows in steps.items():
+                assert sorted(rows.j.tolist()) == [j for j in range(L - 1)
+                                                   if any(j + s <= p <= j + 3 for p in loss_at)]
+            roots = (4, 5, 9)  # computed at every step
+        for root in roots:
             cache = draft.new_cache(64)
             out = draft(feats[:, :root + 1], ids[:, 1:root + 2], torch.arange(root + 1), cache)
             cache.commit(root + 1)
@@ -98,21 +110,38 @@ def test_unrolled_training_steps_equal_drafting_with_a_cache(tiny_setup, method)
                 carried = carried_feature(draft, out)[0, -1]
 
 
-def test_single_step_loss_is_the_sum_of_branch_losses(tiny_setup):
+@pytest.mark.parametrize("jakiro_loss", ["full", "separate", "reference"])
+def test_single_step_loss_is_the_sum_of_branch_losses(tiny_setup, jakiro_loss):
+    """The loss and its gradients equal the branch losses written out on a plain forward (the
+    trainer takes the blend's head product from the experts' where it has them)."""
     target, _ = tiny_setup
     draft = _random_draft("jakiro", target)
     L = 12
     ids, feats, mask = _random_sequence(draft, L, seed=2, first_loss=5)
-    total, parts = draft_loss(draft, ids, feats, mask, steps=1, jakiro_loss="full")
+    total, parts = draft_loss(draft, ids, feats, mask, steps=1, jakiro_loss=jakiro_loss)
+    grads = torch.autograd.grad(total, list(draft.parameters()), allow_unused=True)
     out = draft(feats[:, :-1], ids[:, 1:], torch.arange(L - 1))
     head = draft.head_weight
     probs = torch.softmax(feats[0] @ head.T, -1)
     expect_blend = branch_loss(out.blend[0, 4:], feats[0, 5:], probs[5:], head)
-    expect_experts = sum(branch_loss(out.features[0, 4:, k], feats[0, 5:], probs[5:], head, out.weights[0, 4:, k])
-                         for k in range(2))
+    experts = out.features[0, 4:]
+    if jakiro_loss == "full":
+        expect_experts = sum(branch_loss(experts[:, k], feats[0, 5:], probs[5:], head, out.weights[0, 4:, k])
+                             for k in range(2))
+    elif jakiro_loss == "separate":
+        taken = torch.topk((experts[:, 0] @ head.T).detach(), 2, dim=-1).indices
+        expect_experts = branch_loss(experts[:, 0], feats[0, 5:], probs[5:], head) + \
+            second_expert_loss(taken, experts[:, 1], feats[0, 5:], probs[5:], head)
+    else:
+        expect_experts = 0.0
     expect_con = 0.5 * branch_loss(out.contrastive[0, 3:L - 2], feats[0, 5:], probs[5:], head)  # two ahead
-    torch.testing.assert_close(total, expect_blend + expect_experts + expect_con)
+    expect = expect_blend + expect_experts + expect_con
+    torch.testing.assert_close(total, expect)
     assert parts["blend"] == pytest.approx(float(expect_blend.detach()), rel=1e-5)
+    for got, want in zip(grads, torch.autograd.grad(expect, list(draft.parameters()), allow_unused=True)):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_cross_entropy_weight_scales_only_the_token_term(tiny_setup):

@@ -107,6 +107,11 @@ class DraftOutput:
     contrastive: torch.Tensor | None  # [B, T, d] prediction of the feature two positions ahead
 
 
+def _scatter_rows(t: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor], B: int, T: int) -> torch.Tensor:
+    """Rows t [N, ...] at (b, j) of a zero [B, T, ...] tensor (differentiable)."""
+    return t.new_zeros(B, T, *t.shape[1:]).index_put(rows, t)
+
+
 def _unrolled_attention(q: torch.Tensor, steps: list, groups: int) -> torch.Tensor:
     """Attention of an unrolled draft step: row j sees the first step's keys of rows 0..j and one
     key per later step, its own row's. q [B, H, T, D]; steps: [(k, v)] of [B, Hkv, T, D].
@@ -384,20 +389,12 @@ class DraftModel(nn.Module):
         return self.heads(self.attend(features, token_ids, position_ids, cache, attn_mask))
 
     def attend(self, features: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor,
-               cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
-               unrolled: list | None = None) -> torch.Tensor:
-        """The fusion and attention half of ``forward``: the residual stream r [B, T, d].
-
-        ``unrolled`` (training, no cache) drafts as inference does, several steps deep: it holds
-        the keys and values of the earlier unrolled steps over the same rows. Row j of step s is
-        the s-th draft step of a cycle rooted at position j: it sees the first step's keys of rows
-        0..j (the target's own features) and, of every later step, only its own row's key (its own
-        earlier draft steps). This call's keys are appended to the list.
-        """
+               cache: KVCache | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The fusion and attention half of ``forward``: the residual stream r [B, T, d]."""
         c = self.config
         B, T, _ = features.shape
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        fused = self._fused_step(features, token_ids, position_ids, cache, attn_mask) if unrolled is None else None
+        fused = self._fused_step(features, token_ids, position_ids, cache, attn_mask)
         if fused is not None:
             return fused
         x, h = self._fusion(features, token_ids)
@@ -407,12 +404,7 @@ class DraftModel(nn.Module):
         q, k = self._rope(q, position_ids), self._rope(k, position_ids)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         gqa = H != Hkv
-        if unrolled:
-            unrolled.append((k, v))
-            o = _unrolled_attention(q, unrolled, H // Hkv)
-        elif cache is None:
-            if unrolled is not None:
-                unrolled.append((k, v))
+        if cache is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             past = cache.length
@@ -423,6 +415,44 @@ class DraftModel(nn.Module):
             o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask, enable_gqa=gqa)
         # residual after attention
         return x + self._linear("o", o.transpose(1, 2).reshape(B, T, H * D), (self.o_proj.weight,))
+
+    def attend_unrolled(self, features: torch.Tensor, token_ids: torch.Tensor, position_ids: torch.Tensor,
+                        unrolled: list, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``attend`` for one step of training's unrolled drafting (no cache), which drafts as
+        inference does, several steps deep: the residual stream of ``rows`` = (b, j) only, [N, d].
+
+        ``unrolled`` holds the keys and values of the earlier steps over the batch [B, T] and gets
+        this step's. Row j of step s is the s-th draft step of a cycle rooted at position j: it
+        sees the first step's keys of rows 0..j (the target's own features) and, of every later
+        step, only its own row's key (its own earlier draft steps). So the first step computes
+        every row's keys and values and, like every step, queries and the output projection only
+        for ``rows``; a later step computes ``rows`` alone (a row a step leaves out has no later
+        step that reads it: callers pass each step a subset of the previous step's rows).
+        """
+        c = self.config
+        B, T, _ = features.shape
+        H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        b, j = rows
+        pos = position_ids[j]
+        if not unrolled:
+            x, h = self._fusion(features, token_ids)
+            k, v = self._linear("kv", h, (self.k_proj.weight, self.v_proj.weight)).split((Hkv * D, Hkv * D), -1)
+            k, v = self._rope(k.reshape(B, T, Hkv, D), position_ids), v.reshape(B, T, Hkv, D)
+            x, q = x[b, j], self._linear("q", h[b, j], (self.q_proj.weight,))
+        else:
+            x, h = self._fusion(features[b, j], token_ids[b, j])
+            q, k, v = self._linear("qkv", h, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)).split(
+                (H * D, Hkv * D, Hkv * D), -1)
+            k = _scatter_rows(self._rope(k.reshape(-1, Hkv, D), pos), rows, B, T)
+            v = _scatter_rows(v.reshape(-1, Hkv, D), rows, B, T)
+        q = _scatter_rows(self._rope(q.reshape(-1, H, D), pos), rows, B, T)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        unrolled.append((k, v))
+        if len(unrolled) == 1:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+        else:
+            o = _unrolled_attention(q, unrolled, H // Hkv)
+        return x + self._linear("o", o.transpose(1, 2)[b, j].reshape(-1, H * D), (self.o_proj.weight,))
 
     def _fusion(self, features: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """EAGLE's fusion of (x_{t+1}, f_t) into the residual x, and x normalised for attention."""
