@@ -55,9 +55,13 @@ def test_feature_model_gives_the_runtimes_features_for_a_padded_batch(deep):
     ids[0], ids[1, :17] = long, short
     ids[1, 17:] = 7  # padding after a sequence changes nothing before it
     got = model(ids)
+    # with the lengths, each sequence runs without its padding (on the CPU), which comes back as zeros
+    by_length = model(ids, torch.tensor([30, 17]))
+    assert by_length.shape == got.shape and not by_length[1, 17:].any()
     for row, seq in ((0, long), (1, short)):
         _, want = runtime(seq, runtime.new_cache(len(seq)), aux_layers=AUX)
         torch.testing.assert_close(got[row, :len(seq)], want, atol=1e-4, rtol=1e-3)  # float32 sums in another order
+        torch.testing.assert_close(by_length[row, :len(seq)], want, atol=1e-4, rtol=1e-3)
     with pytest.raises(JakiroError, match="increasing layer counts"):
         FeatureModel(target_dir, (3, 1))
 

@@ -10,7 +10,7 @@ and profiled (the share of its time in matrix products). To compare two
 versions, run it with ``PYTHONPATH`` pointing at a ``git worktree`` of the other one.
 
     python docs/experiments/train_throughput.py --threads 1 --data runs/tok2/own-greedy \\
-        --aux-layers 3,15 --methods eagle2,jakiro --unrolls 1,4
+        --aux-layers 3,15 --methods eagle2,jakiro --unrolls 1,4 [--features | --trainer-steps 6]
 """
 
 from __future__ import annotations
@@ -43,6 +43,54 @@ def _step(trainer, batch) -> None:
     loss.backward()
     torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.grad_clip)
     trainer.opt.step()
+
+
+def feature_rates(args) -> dict | None:
+    """For a tokens-only dataset: real tokens a second of the target's features over the same
+    batches, padded (one forward per batch) and by length (one per conversation, the CPU's way)."""
+    from jakiro.models.hub import resolve_target
+    from jakiro.train.dataset import FeatureDataset
+
+    ds = FeatureDataset(args.data)
+    model = ds.featurizer(resolve_target())
+    if model is None:
+        return None
+    batches = []
+    for k in range(args.batches):
+        recs = [ds.record(i)[0][:512] for i in range(k * args.batch_size, (k + 1) * args.batch_size)]
+        lengths = torch.tensor([len(r) for r in recs])
+        ids = torch.zeros(len(recs), int(lengths.max()), dtype=torch.long)
+        for b, r in enumerate(recs):
+            ids[b, :len(r)] = r
+        batches.append((ids, lengths))
+    real = sum(int(n.sum()) for _, n in batches)
+    out = {"real_share": round(real / sum(ids.numel() for ids, _ in batches), 3)}
+    for name, by_length in (("padded", False), ("by_length", True)):
+        start = time.perf_counter()
+        for _ in range(args.rounds):
+            for ids, lengths in batches:
+                model(ids, lengths if by_length else None)
+        out[f"{name}_real_tokens_per_s"] = round(args.rounds * real / (time.perf_counter() - start), 1)
+    return out
+
+
+def trainer_rate(args, method: str, unroll: int) -> dict:
+    """Loss tokens a second of ``--trainer-steps`` steps as `jakiro train` runs them (its batches in
+    its order, a tokens-only dataset's features included), after one warm-up step."""
+    from jakiro.train.config import TrainConfig
+    from jakiro.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(data=args.data, out=out, method=method, unroll=unroll, jakiro_loss=args.jakiro_loss,
+                          steps=100, warmup=5, aux_layers=args.aux_layers, batch_size=args.batch_size)
+        trainer = Trainer(cfg, progress=False)
+        trainer.train_step(trainer.batch_indices(0))
+        tokens, start = trainer.tokens, time.perf_counter()
+        for step in range(1, args.trainer_steps + 1):
+            trainer.train_step(trainer.batch_indices(step))
+        seconds = time.perf_counter() - start
+    return {"method": method, "unroll": unroll, "loss_tokens_per_s": round((trainer.tokens - tokens) / seconds, 1),
+            "seconds_per_step": round(seconds / args.trainer_steps, 2)}
 
 
 def measure(args, method: str, unroll: int) -> dict:
@@ -83,15 +131,21 @@ def main() -> None:
     ap.add_argument("--aux-layers", default="", help="as the dataset holds them, e.g. 3,15")
     ap.add_argument("--methods", default="eagle2,jakiro")
     ap.add_argument("--unrolls", default="1,4")
-    ap.add_argument("--jakiro-loss", default="full")
+    ap.add_argument("--jakiro-loss", default="separate")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trainer-steps", type=int, default=0, help="instead: time this many of the trainer's own "
+                    "steps (its batches, features included) per method and unroll")
+    ap.add_argument("--features", action="store_true", help="also time a tokens-only dataset's features, "
+                    "padded batches against one conversation at a time (--methods '' for that alone)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [measure(args, m, int(u)) for m in args.methods.split(",") for u in args.unrolls.split(",")]
+    features = feature_rates(args) if args.features else None
+    run = (lambda m, u: trainer_rate(args, m, u)) if args.trainer_steps else (lambda m, u: measure(args, m, u))
+    rows = [run(m, int(u)) for m in args.methods.split(",") for u in args.unrolls.split(",") if m]
     print(json.dumps({"threads": args.threads, "batch_size": args.batch_size, "jakiro_loss": args.jakiro_loss,
-                      "runs": rows}, indent=1))
+                      "features": features, "runs": rows}, indent=1))
 
 
 if __name__ == "__main__":

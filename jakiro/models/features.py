@@ -108,10 +108,27 @@ class FeatureModel(torch.nn.Module):
         return self.attention_output_and_mlp(i, x, o)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``lengths`` [B]: each sequence's real length (features past it are then zero). On the
+        CPU each sequence then runs on its own, without its padding (on one Zen 4 thread 1.37x the
+        real tokens a second for batches of 8 self-distilled conversations, 74 % of them real:
+        docs/experiments/train_throughput.py --features); a GPU runs the padded batch at once."""
         B, T = ids.shape
         if T > self.config.max_context:
             raise JakiroError(f"{T} tokens exceed the target's context of {self.config.max_context}")
+        if lengths is None or ids.device.type != "cpu":
+            out = self._padded(ids)
+            if lengths is not None:
+                out = out * (torch.arange(T, device=ids.device) < lengths.to(ids.device)[:, None])[..., None]
+            return out
+        out = torch.zeros(B, T, self.width)
+        for b, n in enumerate(lengths.tolist()):
+            if n > 0:
+                out[b, :n] = self._padded(ids[b:b + 1, :n])[0]
+        return out
+
+    def _padded(self, ids: torch.Tensor) -> torch.Tensor:
+        B, T = ids.shape
         cos, sin = self.cos[:T].view(1, T, 1, -1), self.sin[:T].view(1, T, 1, -1)
         x = self.embed[ids]
         streams = []

@@ -73,8 +73,7 @@ def make_batch(ds: FeatureDataset, indices: list[int], seq_len: int, device,
         if featurizer is None:
             raise JakiroError(f"dataset {ds.folder} holds no features (jakiro data --tokens-only) and no target "
                               f"was given to compute them")
-        valid = torch.arange(T, device=ids.device) < lengths.to(ids.device)[:, None]
-        feats = featurizer(ids) * valid[..., None]
+        feats = featurizer(ids, lengths)
     return ids, feats, mask.to(device), noises.to(device)
 
 
