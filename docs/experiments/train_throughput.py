@@ -7,7 +7,8 @@ outside the timing) and each configuration times ``--rounds`` passes over them a
 steps; tokens/s counts every position of the batch, as the trainer's log does. The first batch's
 step is then counted (floating-point operations per position, and per second of one more step)
 and profiled (the share of its time in matrix products). To compare two
-versions, run it with ``PYTHONPATH`` pointing at a ``git worktree`` of the other one.
+versions, run it with ``PYTHONPATH`` pointing at a ``git worktree`` of the other one (one that has
+``Trainer.step_on``, the trainer's own optimiser step on a built batch).
 
     python docs/experiments/train_throughput.py --threads 1 --data runs/tok2/own-greedy \\
         --aux-layers 3,15 --methods eagle2,jakiro --unrolls 1,4 [--features | --trainer-steps 6]
@@ -23,26 +24,22 @@ import time
 import torch
 
 
-def _setup(args, method: str, unroll: int, out: str):
+def _trainer(args, method: str, unroll: int, out: str):
     from jakiro.train.config import TrainConfig
-    from jakiro.train.trainer import Trainer, make_batch
+    from jakiro.train.trainer import Trainer
 
     cfg = TrainConfig(data=args.data, out=out, method=method, unroll=unroll, jakiro_loss=args.jakiro_loss,
                       steps=100, warmup=5, aux_layers=args.aux_layers, batch_size=args.batch_size)
-    trainer = Trainer(cfg, progress=False)
-    batches = [make_batch(trainer.ds, trainer.train_idx[k * cfg.batch_size:(k + 1) * cfg.batch_size], cfg.seq_len,
-                          trainer.device, cfg.noise, 7, trainer.featurizer) for k in range(args.batches)]
-    return trainer, batches
+    return Trainer(cfg, progress=False)
 
 
-def _step(trainer, batch) -> None:
-    ids, feats, mask, noises = batch
-    total, _ = trainer.loss(ids, feats, mask, noises)
-    loss = total / mask[:, 1:].sum().clamp(min=1).float()
-    trainer.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.grad_clip)
-    trainer.opt.step()
+def _batches(args, trainer) -> list:
+    """The first ``--batches`` training batches, features computed (outside any timing)."""
+    from jakiro.train.trainer import make_batch
+
+    cfg = trainer.cfg
+    return [make_batch(trainer.ds, trainer.train_idx[k * cfg.batch_size:(k + 1) * cfg.batch_size], cfg.seq_len,
+                       trainer.device, cfg.noise, 7, trainer.featurizer) for k in range(args.batches)]
 
 
 def feature_rates(args) -> dict | None:
@@ -77,13 +74,8 @@ def feature_rates(args) -> dict | None:
 def trainer_rate(args, method: str, unroll: int) -> dict:
     """Loss tokens a second of ``--trainer-steps`` steps as `jakiro train` runs them (its batches in
     its order, a tokens-only dataset's features included), after one warm-up step."""
-    from jakiro.train.config import TrainConfig
-    from jakiro.train.trainer import Trainer
-
     with tempfile.TemporaryDirectory() as out:
-        cfg = TrainConfig(data=args.data, out=out, method=method, unroll=unroll, jakiro_loss=args.jakiro_loss,
-                          steps=100, warmup=5, aux_layers=args.aux_layers, batch_size=args.batch_size)
-        trainer = Trainer(cfg, progress=False)
+        trainer = _trainer(args, method, unroll, out)
         trainer.train_step(trainer.batch_indices(0))
         tokens, start = trainer.tokens, time.perf_counter()
         for step in range(1, args.trainer_steps + 1):
@@ -98,25 +90,26 @@ def measure(args, method: str, unroll: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     with tempfile.TemporaryDirectory() as out:
-        trainer, batches = _setup(args, method, unroll, out)
+        trainer = _trainer(args, method, unroll, out)
+        batches = _batches(args, trainer)
         for batch in batches[:2]:
-            _step(trainer, batch)
+            trainer.step_on(batch)
         seconds, positions = 0.0, 0
         for _ in range(args.rounds):
             for batch in batches:
                 start = time.perf_counter()
-                _step(trainer, batch)
+                trainer.step_on(batch)
                 seconds += time.perf_counter() - start
                 positions += batch[0].numel()
         counter = FlopCounterMode(display=False)
         with counter:
-            _step(trainer, batches[0])
+            trainer.step_on(batches[0])
         flops = counter.get_total_flops()
         start = time.perf_counter()
-        _step(trainer, batches[0])
+        trainer.step_on(batches[0])
         step_s = time.perf_counter() - start
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _step(trainer, batches[0])
+            trainer.step_on(batches[0])
         products = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm", "aten::bmm"))
         total = sum(e.self_cpu_time_total for e in prof.key_averages())
     return {"method": method, "unroll": unroll, "tokens_per_s": round(positions / seconds, 1),

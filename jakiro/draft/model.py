@@ -434,7 +434,8 @@ class DraftModel(nn.Module):
         H, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         b, j = rows
         pos = position_ids[j]
-        if not unrolled:
+        first = not unrolled
+        if first:
             x, h = self._fusion(features, token_ids)
             k, v = self._linear("kv", h, (self.k_proj.weight, self.v_proj.weight)).split((Hkv * D, Hkv * D), -1)
             k, v = self._rope(k.reshape(B, T, Hkv, D), position_ids), v.reshape(B, T, Hkv, D)
@@ -448,7 +449,7 @@ class DraftModel(nn.Module):
         q = _scatter_rows(self._rope(q.reshape(-1, H, D), pos), rows, B, T)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         unrolled.append((k, v))
-        if len(unrolled) == 1:
+        if first:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
         else:
             o = _unrolled_attention(q, unrolled, H // Hkv)

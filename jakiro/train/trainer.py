@@ -342,8 +342,13 @@ class Trainer:
     def train_step(self, indices: list[int]) -> dict:
         cfg = self.cfg
         local = indices[self.rank::self.world]
-        ids, feats, mask, noises = make_batch(self.ds, local, cfg.seq_len, self.device, cfg.noise,
-                                              cfg.seed + 7919 * self.step, self.featurizer)
+        return self.step_on(make_batch(self.ds, local, cfg.seq_len, self.device, cfg.noise,
+                                       cfg.seed + 7919 * self.step, self.featurizer))
+
+    def step_on(self, batch: tuple) -> dict:
+        """One optimiser step on this process's share of a batch, as ``make_batch`` builds it."""
+        cfg = self.cfg
+        ids, feats, mask, noises = batch
         count = mask[:, 1:].sum().to(torch.float64)
         if self.world > 1:
             dist.all_reduce(count)
