@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 from .errors import JakiroError
@@ -118,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--compare", action="store_true",
                    help="also run plain decoding on the same prompt and report the speedup")
+    g.add_argument("--compare-rounds", type=int, default=3,
+                   help="with --compare: runs of each, interleaved; tokens/s and the speedup are their "
+                        "medians (default: 3; a single run of a short answer moves by a tenth)")
     _add_target_args(g)
     _add_tree_args(g)
     _add_sampling_args(g)
@@ -237,6 +241,8 @@ def cmd_generate(args) -> int:
     from .decoding.sampling import SamplingParams
 
     params = SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)  # validate early
+    if args.compare_rounds < 1:
+        raise JakiroError(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
     jk = load(args.target, args.draft, args.method, args.depth, args.tree_top_k, args.total_tokens,
               args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
               args.tree, prompt_vocab=not args.no_prompt_vocab)
@@ -261,9 +267,20 @@ def cmd_generate(args) -> int:
                        "tuned": engine.tuned, "adaptive": getattr(engine.proposer, "adaptive", False),
                        "static": drafter.static.as_list() if drafter.static else None}
     if args.compare and result.method != "ar":
-        base = jk.engine("ar").generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
-        out["ar_tokens_per_s"] = base.metrics.tokens_per_s
-        out["speedup"] = result.metrics.tokens_per_s / base.metrics.tokens_per_s
+        # plain decoding after each run of the method, the method's later runs silent: the medians
+        # compare the two under the same moments of a shared machine
+        runs, ar_runs, base = [result.metrics.tokens_per_s], [], None
+        for i in range(args.compare_rounds):
+            if i:
+                runs.append(engine.generate(args.prompt, args.max_new_tokens, params, args.stop,
+                                            not args.raw).metrics.tokens_per_s)
+            plain = jk.engine("ar").generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
+            base = base or plain
+            ar_runs.append(plain.metrics.tokens_per_s)
+        out["compare"] = {"rounds": args.compare_rounds, "tokens_per_s": runs, "ar_tokens_per_s": ar_runs}
+        out["median_tokens_per_s"] = statistics.median(runs)
+        out["ar_tokens_per_s"] = statistics.median(ar_runs)
+        out["speedup"] = out["median_tokens_per_s"] / out["ar_tokens_per_s"]
         out["same_as_ar"] = base.token_ids == result.token_ids
     if args.json:
         print(json.dumps(out))
@@ -271,11 +288,15 @@ def cmd_generate(args) -> int:
         m = result.metrics
         plain = (f", {m.plain_steps} of them plain steps where speculating would not pay"
                  if m.plain_steps and result.method != "ar" else "")
-        line = (f"\n\n[{result.method}] {m.new_tokens} tokens in {m.total_s:.2f} s: "
-                f"{m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f} ({m.target_forwards} target forwards{plain})")
         if "speedup" in out:
-            line += (f"; plain decoding {out['ar_tokens_per_s']:.1f} tokens/s -> "
-                     f"speedup {out['speedup']:.2f}x")
+            rounds = args.compare_rounds
+            runs = f"medians of {rounds} interleaved runs each" if rounds > 1 else "one run each"
+            line = (f"\n\n[{result.method}] {m.new_tokens} tokens, tau {m.tau:.2f} ({m.target_forwards} target "
+                    f"forwards{plain}): {out['median_tokens_per_s']:.1f} tokens/s against plain decoding's "
+                    f"{out['ar_tokens_per_s']:.1f} ({runs}) -> speedup {out['speedup']:.2f}x")
+        else:
+            line = (f"\n\n[{result.method}] {m.new_tokens} tokens in {m.total_s:.2f} s: "
+                    f"{m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f} ({m.target_forwards} target forwards{plain})")
         print(line)
         hint = int8_hint(jk.target) if args.compare else None
         if hint:

@@ -40,6 +40,7 @@ def test_generate_json():
     (["--method", "jakiro", "--tree", "static:nowhere.json"], "neither a preset"),
     (["--method", "jakiro", "--tree", "static:cpu", "--depth", "3"], "a static --tree fixes the tree"),
     (["--method", "banana"], "argument --method: invalid choice"),
+    (["--method", "eagle2", "--compare", "--compare-rounds", "0"], "--compare-rounds must be >= 1, got 0"),
 ])
 def test_bad_input_gives_one_line_error(args, message):
     res = run_cli("generate", "--prompt", "hi", *args)
@@ -83,16 +84,19 @@ def test_generate_with_a_static_tree_and_with_lookup_branches():
 
 
 def test_generate_text_summary_line_counts_forwards_and_plain_steps():
-    """Without --json the answer streams, then one line: tokens, tokens/s, τ, the target forwards
-    (and how many were plain steps, when cost-aware drafting took any), the speedup."""
+    """Without --json the answer streams, then one line: tokens, τ, the target forwards (and how
+    many were plain steps, when cost-aware drafting took any), the median tokens/s of the method
+    and of plain decoding over the interleaved runs, the speedup."""
     res = run_cli("generate", "--prompt", "Name three primary colors.", "--method", "eagle2", "--compare",
                   "--max-new-tokens", "16", "--threads", "1")
     assert res.returncode == 0, res.stderr
     line = res.stdout.strip().splitlines()[-1]
-    found = re.fullmatch(r"\[eagle2\] (\d+) tokens in [\d.]+ s: [\d.]+ tokens/s, tau ([\d.]+) \((\d+) target "
-                         r"forwards(?:, (\d+) of them plain steps where speculating would not pay)?\); "
-                         r"plain decoding [\d.]+ tokens/s -> speedup [\d.]+x", line)
+    found = re.fullmatch(r"\[eagle2\] (\d+) tokens, tau ([\d.]+) \((\d+) target "
+                         r"forwards(?:, (\d+) of them plain steps where speculating would not pay)?\): "
+                         r"([\d.]+) tokens/s against plain decoding's ([\d.]+) \(medians of 3 interleaved runs "
+                         r"each\) -> speedup ([\d.]+)x", line)
     assert found, line
+    assert float(found[7]) == pytest.approx(float(found[5]) / float(found[6]), abs=0.006)
     tokens, tau, forwards = int(found[1]), float(found[2]), int(found[3])
     assert 0 < forwards < tokens <= 16 and tau == pytest.approx((tokens - 1) / forwards, abs=0.006)
     assert found[4] is None or 0 < int(found[4]) <= forwards
@@ -130,7 +134,11 @@ def test_generate_with_shipped_jakiro_draft_reports_tree_tau_and_speedup():
     out = json.loads(res.stdout)
     assert out["method"] == "jakiro" and out["same_as_ar"] is True
     assert out["tau"] == pytest.approx((out["new_tokens"] - 1) / out["target_forwards"])
-    assert out["speedup"] == pytest.approx(out["tokens_per_s"] / out["ar_tokens_per_s"])
+    # the speedup is the ratio of the medians over the interleaved runs; the first run is the one reported
+    runs, ar_runs = out["compare"]["tokens_per_s"], out["compare"]["ar_tokens_per_s"]
+    assert out["compare"]["rounds"] == 3 and len(runs) == len(ar_runs) == 3 and runs[0] == out["tokens_per_s"]
+    assert out["median_tokens_per_s"] == sorted(runs)[1] and out["ar_tokens_per_s"] == sorted(ar_runs)[1]
+    assert out["speedup"] == pytest.approx(out["median_tokens_per_s"] / out["ar_tokens_per_s"])
     assert set(out["tree"]) >= {"depth", "top_k", "total_tokens", "candidate_mode", "draft_vocab", "tuned", "adaptive"}
     # cost-aware drafting may take only plain steps here; τ still accounts for every kept token
     assert out["tree"]["adaptive"] is True and out["plain_steps"] <= out["target_forwards"]
