@@ -269,19 +269,20 @@ def cmd_generate(args) -> int:
     if args.compare and result.method != "ar":
         # plain decoding after each run of the method, the method's later runs silent: the medians
         # compare the two under the same moments of a shared machine
-        runs, ar_runs, base = [result.metrics.tokens_per_s], [], None
+        def again(e):
+            return e.generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
+
+        runs, plains = [result], []
         for i in range(args.compare_rounds):
             if i:
-                runs.append(engine.generate(args.prompt, args.max_new_tokens, params, args.stop,
-                                            not args.raw).metrics.tokens_per_s)
-            plain = jk.engine("ar").generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
-            base = base or plain
-            ar_runs.append(plain.metrics.tokens_per_s)
-        out["compare"] = {"rounds": args.compare_rounds, "tokens_per_s": runs, "ar_tokens_per_s": ar_runs}
-        out["median_tokens_per_s"] = statistics.median(runs)
-        out["ar_tokens_per_s"] = statistics.median(ar_runs)
+                runs.append(again(engine))
+            plains.append(again(jk.engine("ar")))
+        rates, ar_rates = ([r.metrics.tokens_per_s for r in rs] for rs in (runs, plains))
+        out["compare"] = {"rounds": args.compare_rounds, "tokens_per_s": rates, "ar_tokens_per_s": ar_rates}
+        out["median_tokens_per_s"] = statistics.median(rates)
+        out["ar_tokens_per_s"] = statistics.median(ar_rates)
         out["speedup"] = out["median_tokens_per_s"] / out["ar_tokens_per_s"]
-        out["same_as_ar"] = base.token_ids == result.token_ids
+        out["same_as_ar"] = plains[0].token_ids == result.token_ids
     if args.json:
         print(json.dumps(out))
     else:
@@ -290,10 +291,10 @@ def cmd_generate(args) -> int:
                  if m.plain_steps and result.method != "ar" else "")
         if "speedup" in out:
             rounds = args.compare_rounds
-            runs = f"medians of {rounds} interleaved runs each" if rounds > 1 else "one run each"
+            how = f"medians of {rounds} interleaved runs each" if rounds > 1 else "one run each"
             line = (f"\n\n[{result.method}] {m.new_tokens} tokens, tau {m.tau:.2f} ({m.target_forwards} target "
                     f"forwards{plain}): {out['median_tokens_per_s']:.1f} tokens/s against plain decoding's "
-                    f"{out['ar_tokens_per_s']:.1f} ({runs}) -> speedup {out['speedup']:.2f}x")
+                    f"{out['ar_tokens_per_s']:.1f} ({how}) -> speedup {out['speedup']:.2f}x")
         else:
             line = (f"\n\n[{result.method}] {m.new_tokens} tokens in {m.total_s:.2f} s: "
                     f"{m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f} ({m.target_forwards} target forwards{plain})")
