@@ -28,8 +28,11 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from sampled_chain_ab import development_prompts  # noqa: E402
 
+from jakiro.api import shipped_draft  # noqa: E402
+from jakiro.decoding.engine import Engine  # noqa: E402
 from jakiro.decoding.proposers import DraftProposer, Proposer, TreeBudget  # noqa: E402
 from jakiro.decoding.tree import DRAFT, chain_tree  # noqa: E402
+from jakiro.draft import load_draft  # noqa: E402
 
 
 class OracleChain(Proposer):
@@ -82,7 +85,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import jakiro
-    from jakiro.decoding.engine import Engine
 
     jk = jakiro.load(int8_activations=args.int8_activations)
     target, tok = jk.target, jk.tokenizer
@@ -91,10 +93,9 @@ def main() -> None:
     methods = [m for m in args.methods.split(",") if m]
     prompts = ([args.prompt] if args.prompt else development_prompts(args.per_file)) * args.repeats
     ar = jk.engine("ar")
-    max_depth = max(depths)
-    from jakiro.api import shipped_draft
-    from jakiro.draft import load_draft
     cost_draft = load_draft(shipped_draft("eagle2"), target)
+    # the oracles' real chains: one proposer serves them all (each request starts it afresh)
+    cost_chain = DraftProposer(cost_draft, TreeBudget(max(depths), 1, max(depths)), parallel_decoding=False)
 
     def fixed_chain(model, depth):  # a real draft's chain of ``depth`` tokens every cycle
         return DraftProposer(model, TreeBudget(depth, 1, depth))  # Jakiro: its contrastive last step
@@ -103,8 +104,7 @@ def main() -> None:
     oracles = []
     for d in depths:
         for p in accepts:
-            oracle = OracleChain(DraftProposer(cost_draft, TreeBudget(max_depth, 1, max_depth),
-                                               parallel_decoding=False), d, p, target.config.vocab_size)
+            oracle = OracleChain(cost_chain, d, p, target.config.vocab_size)
             oracles.append(oracle)
             engines[f"oracle d{d} p{p:g}"] = Engine(target, tok, oracle)
     for method in methods:
