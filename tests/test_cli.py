@@ -62,7 +62,7 @@ def test_unreadable_gguf(tmp_path):
     bad.write_bytes(b"not a gguf file")
     res = run_cli("generate", "--prompt", "hi", "--target", str(bad), "--cache-dir", str(tmp_path / "c"))
     assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert "cannot load GGUF file" in res.stderr
+    assert "is not a readable GGUF file" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 

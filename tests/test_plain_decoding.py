@@ -22,8 +22,8 @@ PROMPTS = [
 
 
 def test_greedy_equals_hf_generate(smol):
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(smol.target_path, dtype=torch.float32).eval()
+    from jakiro.models.gguf_file import hugging_face_model
+    hf = hugging_face_model(smol.target_path)
     engine = smol.engine("ar")
     for prompt in PROMPTS:
         ids = engine.encode(prompt)

@@ -197,33 +197,6 @@ def test_tile_kernel_can_be_switched_off(tmp_path):
         assert smallgemm.tile_layout(torch.zeros(16, 2, 24, dtype=torch.uint8)).shape[0] == 1
 
 
-def test_matrices_that_do_not_reproduce_the_model_stay_float32(tmp_path):
-    from types import SimpleNamespace
-    raw_v, v = quantized_matrix("q4_1", 64, 64, seed=1)
-    raw_o, o = quantized_matrix("q8_0", 64, 64, seed=2)
-    raw_q, q = quantized_matrix("q4_1", 64, 64, seed=3)
-    path = str(tmp_path / "m.gguf")
-    writer = gguf.GGUFWriter(path, "llama")
-    for name, raw in (("blk.0.attn_v.weight", raw_v), ("blk.0.attn_output.weight", raw_o),
-                      ("blk.0.attn_q.weight", raw_q)):
-        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=TYPES["q4_1" if raw is not raw_o else "q8_0"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    # GGUF's Llama converter reorders Q's rows (heads, pairs); transformers undoes it on loading
-    order = torch.from_numpy(quant._llama_row_order(64, 4))
-    state = {"model.layers.0.self_attn.v_proj.weight": v,
-             "model.layers.0.self_attn.o_proj.weight": o + 1e-3,  # not what the blocks hold
-             "model.layers.0.self_attn.q_proj.weight": q[order]}
-    messages = []
-    blocks = quant.build(path, state, SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), messages.append)
-    assert sorted(blocks) == ["model.layers.0.self_attn.q_proj.weight::q4_1",
-                              "model.layers.0.self_attn.v_proj.weight::q4_1"]
-    assert torch.equal(quant.dequantize(blocks["model.layers.0.self_attn.q_proj.weight::q4_1"], "q4_1"), q[order])
-    assert len(messages) == 1 and "o_proj" in messages[0] and "stay float32" in messages[0]
-
-
 @needs_kernel
 def test_default_target_quantized_decoding_steps_match_float32(smol):
     from jakiro.models.target import TargetModel
@@ -235,12 +208,12 @@ def test_default_target_quantized_decoding_steps_match_float32(smol):
     ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome."))
     caches = [m.new_cache(len(ids) + 16, scratch=8) for m in (smol.target, model)]
     for m, cache in zip((smol.target, model), caches):
-        m(ids, cache)  # the prompt's prefill runs the float32 weights in both
+        m(ids, cache)  # the prompt's prefill: the float32 copy's weights, and the blocks
         cache.commit(len(ids))
     token = torch.tensor([int(ids[-1])])
     for _ in range(12):
         (a, fa), (b, fb) = (m(token, c) for m, c in zip((smol.target, model), caches))
-        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(b, a, atol=5e-4, rtol=1e-5)  # logits of about 25, as the tile test allows
         torch.testing.assert_close(fb, fa, atol=1e-4, rtol=1e-4)
         assert int(b.argmax()) == int(a.argmax())
         token = a.argmax(-1)
@@ -250,7 +223,7 @@ def test_default_target_quantized_decoding_steps_match_float32(smol):
     mask = torch.ones(4, 4, dtype=torch.bool).tril_()
     positions = torch.arange(caches[0].length, caches[0].length + 4)
     (a, _), (b, _) = (m(tree, c, positions, mask) for m, c in zip((smol.target, model), caches))
-    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b, a, atol=5e-4, rtol=1e-5)
     # bench-cost --quantized --compare-kernels: the quantized, float32 and torch kernels side by side
     from jakiro.bench.cost_curve import kernel_comparison, weight_bytes
     report = kernel_comparison(model, smol.target_path, context=8, repeats=1, rounds=1)
@@ -287,7 +260,8 @@ def test_prompts_run_the_tile_kernel_in_pieces(smol):
     torch.testing.assert_close(feats, ref_feats, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, ref_logits, atol=5e-4, rtol=1e-5)
     assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
-    assert torch.equal(model(ids, model.new_cache(len(ids)))[1], ref_feats)  # by default a prompt runs oneDNN
+    # a GGUF target has no float32 copy to run a prompt on: without chunked=True it goes in pieces too
+    assert torch.equal(model(ids, model.new_cache(len(ids)))[1], feats)
 
 
 @needs_int8_activations
@@ -316,7 +290,7 @@ def test_int8_activations_target(smol, monkeypatch):
         single, _ = model(chain[i:i + 1], cache)
         assert torch.equal(single[0], tree[i])
         cache.commit(1)
-    with pytest.raises(JakiroError, match="converted from a GGUF file"):
+    with pytest.raises(JakiroError, match="from a GGUF file, streamed as its blocks"):
         TargetModel.from_folder(smol.target_path, quantized=False, int8_activations=True)
     with smallgemm.int8_disabled(), smallgemm.tiles_disabled():
         with pytest.raises(JakiroError, match="AVX-512 VNNI or AMX"):
@@ -327,14 +301,12 @@ def test_int8_activations_target(smol, monkeypatch):
 
 @needs_int8_activations
 def test_int8_activations_prompts_of_any_length_run_in_pieces(smol):
-    """With the int8 kernel a prompt longer than CHUNKED_PREFILL_MAX (the AMX kernel's limit) also
-    runs through the one-call stack in pieces: its last tokens get bitwise the features of feeding
-    them one at a time after the rest (and the last one its logits, as decoding prefills), and the
-    torch path (float32 weights) is not used."""
+    """A GGUF target's prompt of any length (beyond CHUNKED_PREFILL_MAX, the float32 folders'
+    limit) runs through the one-call stack in pieces, on the AMX kernel as on the int8 one: its
+    last tokens get bitwise the features of feeding them one at a time after the rest (and the
+    last one its logits, as decoding prefills); without ``chunked`` too (no float32 copy to run)."""
     from jakiro.models.target import CHUNKED_PREFILL_MAX, TargetModel
     model = TargetModel.from_folder(smol.target_path, int8_activations=True)
-    if smallgemm.tiles_enabled():
-        pytest.skip("with AMX tiles prompts run in pieces up to CHUNKED_PREFILL_MAX only")
     ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome. " * 70))
     tail = 24
     assert len(ids) - tail > CHUNKED_PREFILL_MAX
@@ -347,8 +319,7 @@ def test_int8_activations_prompts_of_any_length_run_in_pieces(smol):
         cache.commit(1)
         assert torch.equal(one_feats[0], feats[i])
     assert torch.equal(one_logits[0], logits[0])
-    unchunked = model(ids, model.new_cache(len(ids)))[1]  # the torch path differs (float32 inputs)
-    assert not torch.equal(unchunked, feats)
+    assert torch.equal(model(ids, model.new_cache(len(ids)))[1], feats)
 
 
 def test_q8_0_rounding_of_runtime_weights():
@@ -405,4 +376,4 @@ def test_a_request_head_lays_out_only_its_new_rows(smol):
         whole = DraftHead(head.ids, draft._lm_head, draft._head_blocks)
         assert torch.equal(head.kernel_weight, whole.kernel_weight)
         with torch.inference_mode():
-            torch.testing.assert_close(head(x), x @ target.lm_head.weight[head.ids].T, atol=tol, rtol=0.02)
+            torch.testing.assert_close(head(x), x @ target.dense_head()[head.ids].T, atol=tol, rtol=0.02)

@@ -45,15 +45,17 @@ def test_logits_match_hf_llama3_rope(tmp_path):
 
 
 def test_logits_and_features_match_hf_smollm2(smol):
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(smol.target_path, dtype=torch.float32).eval()
+    from jakiro.models.gguf_file import hugging_face_model
+    hf = hugging_face_model(smol.target_path)
     ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome."))
     with torch.no_grad():
         out = hf(ids[None], output_hidden_states=True)
     model = smol.target
     cache = model.new_cache(len(ids))
     logits, feats = model(ids, cache)
-    torch.testing.assert_close(logits, out.logits[0], atol=2e-4, rtol=1e-4)
+    # the prompt runs the GGUF blocks with three-byte inputs (float32 accuracy, another rounding
+    # than float32 products): logits of about 25 within 5e-4, as the tile kernel's own test allows
+    torch.testing.assert_close(logits, out.logits[0], atol=5e-4, rtol=1e-5)
     torch.testing.assert_close(feats, out.hidden_states[-1][0], atol=2e-4, rtol=1e-4)
 
 

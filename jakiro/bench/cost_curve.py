@@ -21,7 +21,7 @@ PROMPT = "Write a detailed, step by step explanation of how a refrigerator keeps
 def weight_bytes(target) -> int:
     """Bytes of weights one forward of a few rows streams (every matrix and norm once; the LM
     head once; GGUF blocks where the quantized kernel streams those)."""
-    size = target.embed.element_size()
+    size = target.norm.element_size()
     total = target.norm.numel() * size  # the embedding is only gathered from: one row per token
     for layer in target.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -167,8 +167,8 @@ def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int,
 
 
 def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int, repeats: int,
-                   new_tokens: int, rounds: int, compare_kernels: bool = False) -> dict:
-    from transformers import AutoModelForCausalLM
+                   new_tokens: int, rounds: int, compare_kernels: bool = False, llamacpp: bool = False) -> dict:
+    from ..models.gguf_file import hugging_face_model
 
     from ..api import load, shipped_draft
 
@@ -192,21 +192,40 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
     verification = verification_costs(jk.target.config.vocab_size, repeats)
     engine = jk.engine("ar")
     ids = engine.encode(PROMPT)
-    hf = AutoModelForCausalLM.from_pretrained(jk.target_path, dtype=torch.float32).eval()
+    hf = hugging_face_model(jk.target_path)
     ours_tps, hf_tps, same = [], [], True
+    llama, llama_tps, ours_decode_tps = None, [], []
+    if llamacpp:  # llama.cpp's server on the same file and threads, timed by itself (prompt excluded)
+        from ..models.gguf_file import source_file
+        from .llamacpp import LlamaServer
+        llama = LlamaServer(source_file(jk.target_path), torch.get_num_threads(), cache=cache_dir)
+        llama.complete(ids, 8, 0.0, 0)
     engine.generate(ids, 8)  # warm-up
-    with torch.inference_mode():
-        hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-        for _ in range(rounds):
-            res = engine.generate(ids, new_tokens)
-            ours_tps.append(res.metrics.tokens_per_s)
-            t0 = time.perf_counter()
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
-            hf_ids = out[0, len(ids):].tolist()
-            hf_tps.append(len(hf_ids) / (time.perf_counter() - t0))
-            same &= hf_ids == res.token_ids
+    try:
+        with torch.inference_mode():
+            hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+            for _ in range(rounds):
+                res = engine.generate(ids, new_tokens)
+                ours_tps.append(res.metrics.tokens_per_s)
+                ours_decode_tps.append(res.metrics.new_tokens / (res.metrics.total_s - res.metrics.prefill_s))
+                t0 = time.perf_counter()
+                out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+                hf_ids = out[0, len(ids):].tolist()
+                hf_tps.append(len(hf_ids) / (time.perf_counter() - t0))
+                same &= hf_ids == res.token_ids
+                if llama is not None:
+                    out = llama.complete(ids, new_tokens, 0.0, 0)
+                    llama_tps.append(len(out["token_ids"]) / out["decode_s"])
+    finally:
+        if llama is not None:
+            llama.close()
     ours, theirs = statistics.median(ours_tps), statistics.median(hf_tps)
     extra = {}
+    if llama_tps:  # both without the prompt's prefill (llama.cpp's own decoding time)
+        ours_decode, llama_decode = statistics.median(ours_decode_tps), statistics.median(llama_tps)
+        extra["llamacpp_plain_decoding"] = {"ours_tokens_per_s": round(ours_decode, 2),
+                                            "llamacpp_tokens_per_s": round(llama_decode, 2),
+                                            "ours_over_llamacpp": round(ours_decode / llama_decode, 3)}
     if compare_kernels and smallgemm.available():
         del hf
         extra["kernels_side_by_side_ms"] = kernel_comparison(jk.target, jk.target_path, context, repeats, rounds)

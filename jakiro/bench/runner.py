@@ -17,6 +17,7 @@ from ..models import quant
 from ..data.questions import read_questions
 
 HF_METHODS = ("hf", "hf-pld")
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")  # llama.cpp's server on the same GGUF file (bench.llamacpp)
 # benchmark names for a method with options: Jakiro's blended candidates, drafts on their fixed tree
 VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
             "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False}),
@@ -26,7 +27,7 @@ VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
             "eagle2-draftvocab": ("eagle2", {"prompt_vocab": False}), "jakiro-draftvocab": ("jakiro", {"prompt_vocab": False}),
             # the static tree of --static-tree
             "eagle2-static": ("eagle2", {"tree": None}), "jakiro-static": ("jakiro", {"tree": None})}
-KNOWN = METHODS + tuple(VARIANTS) + HF_METHODS
+KNOWN = METHODS + tuple(VARIANTS) + HF_METHODS + LLAMACPP_METHODS
 
 
 @dataclass
@@ -65,8 +66,8 @@ class _HFRunner:
     """Hugging Face ``generate`` (plain or prompt lookup) on the same converted model."""
 
     def __init__(self, path: str):
-        from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        from ..models.gguf_file import hugging_face_model
+        self.model = hugging_face_model(path)
 
     def generate(self, ids: list[int], max_new_tokens: int, temperature: float, seed: int,
                  prompt_lookup: bool, eos_ids: set[int]) -> tuple[list[int], float]:
@@ -100,10 +101,13 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     os.makedirs(cfg.out, exist_ok=True)
     records, done = _resume(cfg, questions)
     answerer = _Answerer(cfg, load(cfg.target, cache_dir=cfg.cache_dir))
-    for m in cfg.methods:  # warm-up: one short answer per method, not recorded
-        for _ in range(cfg.warmup):
-            answerer(m, [{"role": "user", "content": "Say hello."}], 0)
-    _answer_all(cfg, questions, records, done, answerer, progress)
+    try:
+        for m in cfg.methods:  # warm-up: one short answer per method, not recorded
+            for _ in range(cfg.warmup):
+                answerer(m, [{"role": "user", "content": "Say hello."}], 0)
+        _answer_all(cfg, questions, records, done, answerer, progress)
+    finally:
+        answerer.close()
     return _write_results(cfg, questions, records, answerer.cost_tables())
 
 
@@ -117,7 +121,7 @@ class _Answerer:
         budget = tree_budget(cfg.depth, cfg.tree_top_k, cfg.total_tokens)  # None: tuned or default tree
         self.engines = {}
         for m in cfg.methods:
-            if m in HF_METHODS:
+            if m in HF_METHODS or m in LLAMACPP_METHODS:
                 continue
             method, options = VARIANTS.get(m, (m, {}))
             if "tree" in options:
@@ -127,6 +131,17 @@ class _Answerer:
             self.engines[m] = jk.add_method(method, draft, budget if method not in ("ar", "pld") else None,
                                             cache_dir=cfg.cache_dir, **options)
         self.hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
+        self.llama = {}
+        for m in cfg.methods:
+            if m in LLAMACPP_METHODS:
+                from ..models.gguf_file import source_file
+                from .llamacpp import METHODS as LLAMA_OPTIONS, LlamaServer
+                self.llama[m] = LlamaServer(source_file(jk.target_path), torch.get_num_threads(), LLAMA_OPTIONS[m],
+                                            cache=cfg.cache_dir)
+
+    def close(self) -> None:
+        for server in self.llama.values():
+            server.close()
 
     def cost_tables(self) -> dict:
         """Each cost-aware engine's cost table (``decoding.adaptive.CostTable.as_dict``)."""
@@ -141,6 +156,13 @@ class _Answerer:
             toks, secs = self.hf.generate(ids, cfg.max_new_tokens, cfg.temperature, seed, m == "hf-pld", ar.eos_ids)
             text = self.jk.tokenizer.decode(toks, skip_special_tokens=True)
             return {"text": text, "token_ids": toks, "new_tokens": len(toks), "total_s": secs}
+        if m in LLAMACPP_METHODS:  # its own timings: the prompt's and the answer's, without the HTTP round trip
+            out = self.llama[m].complete(ids, cfg.max_new_tokens, cfg.temperature, seed)
+            toks = [t for t in out["token_ids"] if t not in ar.eos_ids]
+            return {"text": self.jk.tokenizer.decode(toks, skip_special_tokens=True), "token_ids": toks,
+                    "new_tokens": len(out["token_ids"]), "prefill_s": out["prefill_s"],
+                    "total_s": out["prefill_s"] + out["decode_s"],
+                    "llamacpp_drafted": out["draft_tokens"], "llamacpp_accepted": out["accepted_tokens"]}
         engine = self.engines[m]
         res = engine.generate(ids, cfg.max_new_tokens, SamplingParams(cfg.temperature, seed=seed))
         d = res.metrics.as_dict()

@@ -91,6 +91,6 @@ def load_draft(folder: str, target=None) -> DraftModel:
         raise JakiroError("draft vocabulary map points outside the target vocabulary")
     model.eval()
     if target is not None:
-        model.attach_target(target.embed, target.lm_head.weight, target.lm_head.quantized)
+        model.attach_target(target.embed, target.head_rows, target.lm_head.quantized)
         model.quantized = target.quantized_matrices > 0
     return model

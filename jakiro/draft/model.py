@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from ..errors import JakiroError
 from ..models.kv_cache import KVCache
 from ..models import smallgemm
-from ..models.linear import SMALL_ROWS, FastLinear
-from ..models.target import ROPE_SLACK, rope_tables
+from ..models import quant
+from ..models.linear import SMALL_ROWS, BlockLinear, FastLinear
+from ..models.target import ROPE_SLACK, embedding_rows, rope_tables
 from .config import DraftConfig
 
 # the tile kernel takes a draft's inputs as one byte per value and block of 32 (int8, as
@@ -52,14 +53,15 @@ class DraftHead:
     @property
     def weight(self) -> torch.Tensor:
         if self._weight is None:
-            self._weight = self._lm_head[self.ids].contiguous()
+            self._weight = embedding_rows(self._lm_head, self.ids).contiguous()
         return self._weight
 
     @property
     def kernel_weight(self) -> torch.Tensor | None:
         """The rows as the small-batch kernel reads them (see ``FastLinear``): their GGUF blocks
         laid out for it, or their float32 weight packed; None without the kernel."""
-        if self._kernel is None and smallgemm.available() and self._lm_head.dtype == torch.float32:
+        if self._kernel is None and smallgemm.available() and (
+                self._lm_head.dtype == torch.float32 or self._head_blocks is not None):
             base, start = self._base, 0
             if base is not None and base.size % 16 == 0 and base.kernel_weight is not None:
                 n = min(base.size, self.size)
@@ -76,7 +78,7 @@ class DraftHead:
 
     def _lay_out(self, ids: torch.Tensor) -> torch.Tensor:
         if self._head_blocks is not None:
-            return smallgemm.tile_layout(self._head_blocks[1][ids].contiguous())
+            return quant.lay_out(self._head_blocks[0], self._head_blocks[1][ids])
         return smallgemm.pack(self.weight if self._base is None else self._lm_head[ids].contiguous())
 
     @property
@@ -84,9 +86,9 @@ class DraftHead:
         """The rows as a ``FastLinear`` (for more rows than the small-batch kernel takes, or
         without it)."""
         if self._layer is None:
-            self._layer = FastLinear(self.weight, quantized=self._head_blocks and
-                                     (self._head_blocks[0], self._head_blocks[1][self.ids].contiguous()),
-                                     input_bytes=INPUT_BYTES)
+            rows = None if self._head_blocks is None else self._head_blocks[1][self.ids]
+            self._layer = (FastLinear(self.weight) if self._head_blocks is None else
+                           BlockLinear([(self._head_blocks[0], rows)], input_bytes=INPUT_BYTES, keep=rows))
         return self._layer
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,8 +224,8 @@ class DraftModel(nn.Module):
         self.embed = embed.detach()
         self._head_blocks = head_blocks
         self._lm_head = head = lm_head.detach()
-        if self.config.draft_vocab_size is not None:
-            head = head[self.d2t].contiguous()
+        if self.config.draft_vocab_size is not None or head.dtype != torch.float32:
+            head = embedding_rows(head, self._vocab_order()).contiguous()
         self.head_weight = head
         self._heads = {}
         return self
@@ -236,7 +238,7 @@ class DraftModel(nn.Module):
 
     def _vocab_order(self) -> torch.Tensor:
         """Target token ids of the draft vocabulary, most frequent first (every token without one)."""
-        return self.d2t if self.config.draft_vocab_size is not None else torch.arange(len(self.head_weight))
+        return self.d2t if self.config.draft_vocab_size is not None else torch.arange(self._lm_head.shape[0])
 
     def head_ids(self, limit: int | None = None, extra: torch.Tensor | None = None) -> torch.Tensor:
         """Target token ids of ``head``'s rows, in row order: the draft vocabulary (or its first
@@ -457,9 +459,15 @@ class DraftModel(nn.Module):
 
     def _fusion(self, features: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """EAGLE's fusion of (x_{t+1}, f_t) into the residual x, and x normalised for attention."""
-        x = self._linear("fc", torch.cat((F.embedding(token_ids, self.embed), features), -1), (self.fc.weight,),
+        x = self._linear("fc", torch.cat((self._embedding(token_ids), features), -1), (self.fc.weight,),
                          self.fc.bias)
         return x, F.rms_norm(x, (self.config.hidden_size,), self.input_norm, self.config.rms_norm_eps)
+
+    def _embedding(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings of token ids of any shape (a float table or a GGUF file's rows)."""
+        if self.embed.dtype == torch.float32:
+            return F.embedding(token_ids, self.embed)
+        return embedding_rows(self.embed, token_ids.reshape(-1)).reshape(*token_ids.shape, -1)
 
     def _rope(self, t: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of t [..., T, heads, D] at positions [T]."""
@@ -515,7 +523,7 @@ class DraftModel(nn.Module):
                   self._fast_layer("qkv", (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
                   self._fast_layer("o", (self.o_proj.weight,)))
         if (any(layer.kernel_weight is None for layer in layers) or self.input_norm.dtype != torch.float32
-                or self.embed.dtype != torch.float32 or not self.embed.is_contiguous()):
+                or not self.embed.is_contiguous()):
             return None
         return layers
 

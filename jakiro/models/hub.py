@@ -1,12 +1,11 @@
 """Finding target models: the default SmolLM2 package, a local Hugging Face folder, or a GGUF
-file converted once to a cached float32 safetensors folder."""
+file, whose metadata and tokenizer are read once into a small cached folder (``gguf_file``)."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import os
-import shutil
 import sys
 
 from ..errors import JakiroError
@@ -38,29 +37,6 @@ def _log(msg: str) -> None:
     print(f"[jakiro] {msg}", file=sys.stderr, flush=True)
 
 
-def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Dequantize a GGUF file to a float32 Hugging Face folder (model + tokenizer)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(os.path.abspath(gguf_path))
-    tmp = out_dir + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    _log(f"converting {name} to float32 safetensors (once; cached in {out_dir})")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    except Exception as exc:
-        raise JakiroError(f"cannot load GGUF file {gguf_path}: {exc}") from None
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out_dir)
-    _log("conversion done")
-
-
 def converted_name(gguf: str) -> str:
     """The folder name of a GGUF file's conversion, which datasets and drafts record as the
     target's name: the file's stem and a hash of its size and first and last MiB, so the same
@@ -75,9 +51,13 @@ def converted_name(gguf: str) -> str:
 
 
 def resolve_target(target: str | None = None, cache: str | None = None) -> str:
-    """Return a local Hugging Face folder for ``target`` (None = the default model)."""
+    """Return the model folder for ``target`` (None = the default model): a Hugging Face folder as
+    it is, or for a GGUF file the cached folder describing it (the weights stay in the file)."""
+    from . import registry
     if target is None:
         gguf = default_gguf()
+    elif registry.check_name(target):
+        gguf = registry.resolve(target, cache)
     else:
         target = os.path.expanduser(target)
         if os.path.isdir(target):
@@ -85,20 +65,15 @@ def resolve_target(target: str | None = None, cache: str | None = None) -> str:
                 raise JakiroError(f"{target} is not a Hugging Face model folder (no config.json)")
             return target
         if not os.path.exists(target):
-            raise JakiroError(f"target model not found: {target}")
+            raise JakiroError(f"target model not found: {target} (a path, or one of the named models: "
+                              f"{', '.join(registry.MODELS)})")
         if not target.endswith(".gguf"):
             raise JakiroError(f"unsupported target {target}: pass a Hugging Face folder or a .gguf file")
         if not os.access(target, os.R_OK):
             raise JakiroError(f"cannot read {target}")
         gguf = target
+    from . import gguf_file
     out_dir = os.path.join(cache_dir(cache), "targets", converted_name(gguf))
-    if not os.path.exists(os.path.join(out_dir, "config.json")):
-        os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-        convert_gguf(gguf, out_dir)
-    from .quant import SOURCE_FILE, record_source
-    if not os.path.exists(os.path.join(out_dir, SOURCE_FILE)):  # folders converted before it was noted
-        try:
-            record_source(out_dir, gguf)
-        except OSError:  # a read-only cache: the float32 weights still serve
-            pass
+    if not gguf_file.current(out_dir, gguf):
+        gguf_file.prepare_folder(gguf, out_dir, _log)
     return out_dir

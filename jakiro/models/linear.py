@@ -95,3 +95,66 @@ class FastLinear:
     def numel(self) -> int:
         """Parameters of the layer (weight and bias)."""
         return self.out_features * self.in_features + (self.bias.numel() if self.bias is not None else 0)
+
+
+class BlockLinear:
+    """y = x @ W^T (+ b) for a matrix held only as a GGUF file's blocks (``gguf_file``), laid out
+    once for the kernels (``quant.lay_out``), for any number of rows. A layer whose parts the file
+    holds in different block types (q, k and v; gate and up) keeps one layout per part, applied
+    one after another. ``quantized`` keeps (type, rows as the file holds them) of a one-part
+    matrix, from which drafts lay out the head rows they score."""
+
+    __slots__ = ("parts", "rows", "bias", "out_features", "in_features", "input_bytes", "quantized", "weight")
+
+    def __init__(self, parts: list[tuple[str, torch.Tensor]], bias: torch.Tensor | None = None,
+                 input_bytes: int = 3, permutations: list | None = None, keep: torch.Tensor | None = None):
+        """``parts``: (GGUF type, the file's tensor: [rows, blocks, bytes] or float [rows, cols]);
+        ``permutations``: per part, the order to take its rows in (None: as stored); ``keep``: the
+        one part's rows to keep as ``quantized`` (an LM head: a memory-mapped view of them)."""
+        from . import quant
+        if input_bytes not in (1, 3):
+            raise ValueError(f"input_bytes must be 1 or 3, not {input_bytes}")
+        self.input_bytes = input_bytes
+        self.weight = None  # no float32 copy: see ``float_rows``
+        permutations = permutations or [None] * len(parts)
+        taken = [(kind, rows if order is None else rows[order]) for (kind, rows), order in zip(parts, permutations)]
+        # one layout for the leading parts of one type (q and k, or all three; gate and up); the
+        # rest one each
+        lead = next((i for i, (kind, _) in enumerate(taken) if kind != taken[0][0]), len(taken))
+        if lead > 1:
+            taken = [(taken[0][0], torch.cat([rows for _, rows in taken[:lead]]))] + taken[lead:]
+        self.parts = [quant.lay_out(kind, rows) for kind, rows in taken]
+        self.rows = [int(rows.shape[0]) for _, rows in taken]
+        self.quantized = (taken[0][0], keep) if keep is not None and len(taken) == 1 else None
+        self.out_features = sum(self.rows)
+        self.in_features = quant.row_width(taken[0][1])
+        self.bias = None if bias is None else bias.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ys = [_apply(part, x, rows, self.input_bytes) for part, rows in zip(self.parts, self.rows)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, 1)
+        return y if self.bias is None else y.add_(self.bias)
+
+    @property
+    def kernel_weight(self) -> torch.Tensor:
+        return self.parts[0]
+
+    @property
+    def tiles(self) -> bool:
+        """Whether the parts go through the AMX or the int8 (AVX-512 VNNI) kernel."""
+        return all(smallgemm.integer_layout(part) for part in self.parts)
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts) + (
+            self.bias.numel() * 4 if self.bias is not None else 0)
+
+    @property
+    def numel(self) -> int:
+        return self.out_features * self.in_features + (self.bias.numel() if self.bias is not None else 0)
+
+
+def _apply(weight: torch.Tensor, x: torch.Tensor, rows: int, input_bytes: int) -> torch.Tensor:
+    if weight.dtype == torch.float32:
+        return smallgemm.linear(x, weight, rows, None)
+    return smallgemm.quantized_linear(x, weight, rows, input_bytes)

@@ -1,40 +1,30 @@
-"""Block-quantized weights for the small-batch kernel.
+"""GGUF blocks as the small-batch kernels take them.
 
-A target converted from a GGUF file was stored there in blocks of 32 values w = d * q + m
-(Q4_1: 4-bit q; Q8_0: 8-bit q, m = 0) and dequantized to float32 once. Streaming those blocks
-instead of the float32 copy reads a fifth of the bytes per forward; the kernel dequantizes in
-registers to the very same float32 values (``csrc/smallgemm.cpp``), so only the order of the
-additions differs from the float32 path, as between any two kernels.
-
-The packed blocks are built once from the GGUF file named in the converted folder, each matrix
-checked to dequantize bitwise to the float32 weight it stands for (a matrix that does not, or
-whose type the kernel does not know, stays float32), and cached next to the weights in
-``QUANT_FILE``. On by default; ``JAKIRO_QUANTIZED=0`` (or ``--float32``) streams the float32 copy.
+A GGUF target is run from its file's own blocks (``gguf_file``, ``linear.BlockLinear``): each
+matrix laid out once for the kernels (``lay_out``): Q4_1 and Q8_0 as blocks of 32 values
+w = d * q + m with d and m in float32 (``pack_blocks``; the AMX and int8 kernels lay them out
+further), the other block types (Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) in ``csrc/kquants.cpp``'s layout.
+Every kernel dequantizes in registers to the very values of GGUF's reference dequantization, so
+only the order of the additions differs from a float32 model (``--float32`` runs such a copy;
+also ``JAKIRO_QUANTIZED=0``).
 
 Int8 activations (``JAKIRO_INT8_ACTIVATIONS=1`` or ``--int8-activations``; off by default): the
-kernel also takes each input row as one byte per block of 32 values, as llama.cpp's Q8
-activations, and multiplies bytes by bytes (``csrc/int8.cpp`` with AVX-512 VNNI, ``csrc/amx.cpp``
-with AMX tiles): plain decoding and every tree forward cost less, and an extra tree token costs
-about half as much, for a rounding of each input to 2^-7 of its block's largest value. The target
-is then that computation: plain decoding and every speculative method share it (and stay exactly
-equal to each other), but its greedy text is no longer the float32 weights' token for token.
+kernels also take each input row as one byte per block of 32 values, as llama.cpp's Q8
+activations, and multiply bytes by bytes (``csrc/int8.cpp`` and ``csrc/kquants.cpp`` with
+AVX-512 VNNI, ``csrc/amx.cpp`` with AMX tiles): plain decoding and every tree forward cost less,
+and an extra tree token costs about half as much, for a rounding of each input to 2^-7 of its
+block's largest value. The target is then that computation: plain decoding and every speculative
+method share it (and stay exactly equal to each other), but its greedy text is no longer the
+float32 weights' token for token.
 """
-
 from __future__ import annotations
 
-import json
 import os
-import re
 
 import numpy as np
 import torch
 
-QUANT_FILE = "jakiro-quantized.blocks"  # safetensors format; not *.safetensors, which are the weights
-SOURCE_FILE = "jakiro-source.json"
-KERNEL_OF = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF type -> packed kind
-_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
+KERNEL_OF = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF types the float32 / AMX / int8 kernels take as blocks
 
 
 def enabled() -> bool:
@@ -45,24 +35,6 @@ def enabled() -> bool:
 def int8_activations() -> bool:
     """Whether targets take their inputs as int8 blocks (``JAKIRO_INT8_ACTIVATIONS=1``; off by default)."""
     return os.environ.get("JAKIRO_INT8_ACTIVATIONS", "0") not in ("", "0")
-
-
-def record_source(folder: str, gguf_path: str) -> None:
-    """Note which GGUF file a converted folder came from (its blocks are read from there)."""
-    with open(os.path.join(folder, SOURCE_FILE), "w") as f:
-        json.dump({"gguf": os.path.abspath(gguf_path)}, f)
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face state-dict key of a GGUF tensor name (None for tensors not handled)."""
-    if gguf_name == "token_embd.weight":
-        return "model.embed_tokens.weight"
-    if gguf_name == "output.weight":
-        return "lm_head.weight"
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
-    return None
 
 
 def pack_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> torch.Tensor:
@@ -110,68 +82,25 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat((head, q.view(torch.uint8)), -1).contiguous()
 
 
-def _llama_row_order(rows: int, heads: int) -> np.ndarray:
-    """Row order GGUF's Llama converter gives Q and K (undone by transformers on loading)."""
-    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(2, 1).reshape(rows)
+def row_width(rows: torch.Tensor) -> int:
+    """Values per row of a matrix as a GGUF file holds it ([rows, blocks, bytes] or [rows, cols])."""
+    if rows.dtype != torch.uint8:
+        return int(rows.shape[1])
+    from gguf import GGML_QUANT_SIZES
+    per_block = {size: block for block, size in GGML_QUANT_SIZES.values()}
+    return int(rows.shape[1]) * per_block[int(rows.shape[2])]
 
 
-def build(gguf_path: str, state: dict[str, torch.Tensor], hf_config, log=None) -> dict[str, torch.Tensor]:
-    """{"<hf key>::<kind>": packed blocks} for every matrix whose blocks reproduce ``state``."""
-    from gguf import GGUFReader
-    reader = GGUFReader(gguf_path)
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    out, skipped = {}, []
-    for t in reader.tensors:
-        key, kind = hf_name(t.name), KERNEL_OF.get(t.tensor_type.name)
-        if key is None or kind is None or key not in state:
-            continue
-        weight = state[key].to(torch.float32)
-        rows, cols = weight.shape
-        if cols % 32:
-            continue
-        packed = pack_blocks(np.asarray(t.data), kind, rows, cols)
-        orders = [None]
-        if heads and (".attn_q." in t.name or ".attn_k." in t.name):
-            orders.append(_llama_row_order(rows, heads if ".attn_q." in t.name else kv_heads))
-        for order in orders:
-            candidate = packed if order is None else packed[torch.from_numpy(order)].contiguous()
-            if torch.equal(dequantize(candidate, kind), weight):
-                out[f"{key}::{kind}"] = candidate
-                break
-        else:
-            skipped.append(key)
-    if skipped and log:
-        log(f"{len(skipped)} quantized matrices do not reproduce the float32 weights and stay float32 "
-            f"(first: {skipped[0]})")
-    return out
-
-
-def load_blocks(folder: str, state: dict[str, torch.Tensor], hf_config, log=None) -> dict[str, tuple[str, torch.Tensor]]:
-    """{hf key: (kind, packed blocks)} for a converted folder (built and cached on first use);
-    empty where the folder did not come from a GGUF file."""
-    from safetensors.torch import load_file, save_file
-    cached = os.path.join(folder, QUANT_FILE)
-    if not os.path.exists(cached):
-        source = os.path.join(folder, SOURCE_FILE)
-        if not os.path.exists(source):
-            return {}
-        with open(source) as f:
-            gguf_path = json.load(f).get("gguf", "")
-        if not os.path.exists(gguf_path):
-            if log:
-                log(f"the GGUF file this model came from is gone ({gguf_path}): float32 weights only")
-            return {}
-        blocks = build(gguf_path, state, hf_config, log)
-        save_file(blocks, cached + ".tmp")
-        os.replace(cached + ".tmp", cached)
-    else:
-        blocks = load_file(cached)
-    return {name.split("::")[0]: (name.split("::")[1], t) for name, t in blocks.items()}
-
-
-def concatenated(parts: list[tuple[str, torch.Tensor] | None]) -> tuple[str, torch.Tensor] | None:
-    """Blocks of matrices stacked along their rows (q, k, v; gate, up), if all share one kind."""
-    if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:
-        return None
-    return parts[0][0], torch.cat([p[1] for p in parts], 0)
+def lay_out(kind: str, rows: torch.Tensor) -> torch.Tensor:
+    """A matrix's rows as a GGUF file holds them (``kind`` its type: 'Q4_K', 'F16', ...) in the
+    layout the small-batch kernels read: Q4_1 and Q8_0 blocks as ``pack_blocks`` and
+    ``smallgemm.tile_layout`` lay them out, the other block types as ``smallgemm.kq_pack`` does,
+    float matrices in float32 as ``smallgemm.pack`` does."""
+    from . import smallgemm
+    kind = kind.upper()
+    if rows.dtype != torch.uint8:
+        return smallgemm.pack(rows.to(torch.float32).contiguous())
+    if kind in KERNEL_OF:
+        n, nb, _ = rows.shape
+        return smallgemm.tile_layout(pack_blocks(rows.numpy(), KERNEL_OF[kind], n, nb * 32))
+    return smallgemm.kq_pack(rows.contiguous())

@@ -20,7 +20,7 @@ import torch
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 SOURCE = os.path.join(CSRC, "smallgemm.cpp")
 # the fused decoder stack (``decoder_layers``) and the AMX kernel for GGUF blocks
-MORE_SOURCES = tuple(os.path.join(CSRC, f) for f in ("decoder.cpp", "amx.cpp", "int8.cpp"))
+MORE_SOURCES = tuple(os.path.join(CSRC, f) for f in ("decoder.cpp", "amx.cpp", "int8.cpp", "kquants.cpp"))
 HEADERS = (os.path.join(CSRC, "kernels.h"),)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 _state: dict = {}
@@ -74,6 +74,7 @@ def available() -> bool:
             load(name="jakiro_smallgemm", sources=[SOURCE, *MORE_SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
                  build_directory=build, is_python_module=False, verbose=False)
         _state["ok"] = True
+        kq_int8()  # the kernel's switch follows JAKIRO_INT8
     except Exception as exc:  # no compiler, no ninja, a failed build: torch's kernels still work
         _state["reason"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         print(f"[jakiro] small-batch linear kernel unavailable ({_state['reason']}); using torch's kernels",
@@ -158,10 +159,31 @@ def int8_enabled() -> bool:
     return _state["int8"]
 
 
+@contextlib.contextmanager
 def int8_disabled():
     """Layers built inside stream GGUF blocks (a target's, a draft's) through the float32 kernel,
-    not the int8 one (for side-by-side measurements)."""
-    return _switched_off("int8", int8_enabled)
+    not the int8 one, and the packed layout of the other block types (``kq_pack``) goes through the
+    portable kernel meanwhile (for side-by-side measurements)."""
+    on = kq_int8()
+    with _switched_off("int8", int8_enabled), _switched_off("kq_int8", kq_int8):
+        torch.ops.jakiro_smallgemm.set_kq_int8(False)
+        try:
+            yield
+        finally:
+            torch.ops.jakiro_smallgemm.set_kq_int8(on)
+
+
+def kq_pack(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF blocks [rows, blocks, bytes] of Q4_0, Q5_0, Q5_1 or a K-quant -> the layout both of
+    their kernels read (``csrc/kquants.cpp``): int8 [ceil(rows / 16), blocks, bytes'], about the
+    blocks' own size."""
+    return torch.ops.jakiro_smallgemm.kq_pack(raw)
+
+
+def gguf_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 rows [n, d] of an embedding held as GGUF holds it (raw blocks [V, blocks, bytes]
+    of any supported type, or float32 / float16 / bfloat16 [V, d]) for token ids [n]."""
+    return torch.ops.jakiro_smallgemm.gguf_rows(src, ids)
 
 
 @contextlib.contextmanager
@@ -187,6 +209,36 @@ def tile_layout(blocks: torch.Tensor) -> torch.Tensor:
     if not (tiles_enabled() or int8):
         return blocks
     return torch.ops.jakiro_smallgemm.amx_pack(blocks)
+
+
+def integer_layout(weight: torch.Tensor) -> bool:
+    """Whether a kernel weight goes through integer dot products (the AMX or the int8 kernel:
+    the tile layout of Q4_1 / Q8_0, or the other block types' layout where the int8 kernel runs)."""
+    if weight.dtype == torch.int8:
+        return kq_int8()
+    return weight.dtype == torch.uint8 and weight.shape[2] in (_TILE_Q4_1, _TILE_Q8_0)
+
+
+def kq_int8() -> bool:
+    """Whether the block types other than Q4_1 and Q8_0 (``kq_pack``) go through the int8 kernel:
+    on CPUs with AVX-512 VNNI (AMX CPUs have it too), unless ``JAKIRO_INT8=0``; else the portable
+    float32 kernel reads their layout."""
+    if "kq_int8" not in _state:
+        on = (os.environ.get("JAKIRO_INT8", "1") not in ("", "0") and available()
+              and bool(torch.ops.jakiro_smallgemm.int8_usable()))
+        if available():
+            torch.ops.jakiro_smallgemm.set_kq_int8(on)
+        _state["kq_int8"] = on
+    return _state["kq_int8"]
+
+
+def int8_activations_usable() -> bool:
+    """Whether targets can take their inputs as int8: the AMX or the int8 kernel for Q4_1 / Q8_0,
+    and the int8 kernel for the other block types."""
+    return (tiles_enabled() or int8_enabled()) and kq_int8()
+
+
+_TILE_Q4_1, _TILE_Q8_0 = 384, 576  # bytes per 16 columns and block in the tile layout (csrc/kernels.h)
 
 
 def decoder_layers(x, weights, out_features, kv, past, cos, sin, tree_mask, num_heads, num_kv_heads, eps, scale,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..errors import JakiroError
 from .kv_cache import BatchKVCache, KVCache
 from . import smallgemm
-from .linear import SMALL_ROWS, FastLinear
+from .linear import SMALL_ROWS, BlockLinear, FastLinear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_SLACK = 256  # positions beyond the context reserved for uncommitted draft-tree tokens
@@ -100,8 +100,11 @@ class TargetConfig:
         )
 
 
-def rope_tables(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] in the Hugging Face (rotate-half) layout."""
+def rope_tables(hf_config, head_dim: int, max_positions: int,
+                freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_positions, head_dim] in the Hugging Face (rotate-half) layout;
+    ``freq_factors`` (a GGUF file's ``rope_freqs``, Llama 3's long-context scaling): each
+    frequency divided by its factor, as llama.cpp applies them."""
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -113,6 +116,8 @@ def rope_tables(hf_config, head_dim: int, max_positions: int) -> tuple[torch.Ten
         if rope_type not in ROPE_INIT_FUNCTIONS:
             raise JakiroError(f"unsupported RoPE type {rope_type!r}")
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+    if freq_factors is not None:
+        inv_freq = inv_freq.float() / freq_factors.float()
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -124,6 +129,14 @@ class _Layer:
 
 
 def _load_state_dict(folder: str) -> dict[str, torch.Tensor]:
+    """A model folder's weights in float32 under their Hugging Face names: its safetensors, or for
+    a GGUF file's folder (``gguf_file``) the file's tensors dequantized."""
+    from . import gguf_file
+    if gguf_file.is_gguf_folder(folder):
+        from transformers import AutoConfig
+        hf_config = AutoConfig.from_pretrained(folder)
+        heads = hf_config.num_attention_heads
+        return gguf_file.GGUFWeights(folder).state_dict(heads, getattr(hf_config, "num_key_value_heads", heads))
     from safetensors.torch import load_file
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -142,85 +155,119 @@ def _load_state_dict(folder: str) -> dict[str, torch.Tensor]:
     return state
 
 
-class TargetModel:
-    """A Llama-family model with a tree-attention forward. Float32 on CPU by default."""
+def _state_layers(cfg: TargetConfig, state: dict[str, torch.Tensor], dtype: torch.dtype):
+    """(embedding, layers, final norm, LM head) from a float state dict, every key used once."""
+    prefix = "model." if any(k.startswith("model.") for k in state) else ""
+    used: set[str] = set()
 
-    def __init__(self, hf_config, state: dict[str, torch.Tensor], name: str = "",
-                 dtype: torch.dtype = torch.float32, quantized: dict | None = None, input_bytes: int = 3):
-        """``quantized``: {state key: (kind, blocks)} of matrices also held in GGUF blocks
-        (``models.quant``), which the small-batch kernel streams instead of float32; ``input_bytes``:
-        how those take their inputs (3: float32 accuracy; 1: int8 activations)."""
+    def take(key: str) -> torch.Tensor:
+        full = prefix + key if not key.startswith("lm_head") else key
+        if full not in state:
+            raise JakiroError(f"missing weight {full!r} in target checkpoint")
+        used.add(full)
+        return state[full].to(dtype)
+
+    embed = take("embed_tokens.weight").contiguous()  # [vocab, d]
+    if embed.shape != (cfg.vocab_size, cfg.hidden_size):
+        raise JakiroError(f"embedding shape {tuple(embed.shape)} does not match config "
+                          f"({cfg.vocab_size}, {cfg.hidden_size})")
+    layers: list[_Layer] = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        layer = _Layer()
+        layer.input_norm = take(p + "input_layernorm.weight")
+        layer.post_norm = take(p + "post_attention_layernorm.weight")
+        qkv_b = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0) if cfg.qkv_bias else None)
+        layer.qkv = FastLinear(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0), qkv_b)
+        layer.o = FastLinear(take(p + "self_attn.o_proj.weight"))
+        layer.gate_up = FastLinear(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0))
+        layer.down = FastLinear(take(p + "mlp.down_proj.weight"))
+        layer.q_norm = take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None
+        layer.k_norm = take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None
+        layers.append(layer)
+    norm = take("norm.weight")
+    if "lm_head.weight" in state and not cfg.tie_word_embeddings:
+        head = take("lm_head.weight")
+    else:
+        used.add("lm_head.weight")
+        head = embed
+    unexpected = [k for k in state if k not in used and "rotary_emb" not in k]
+    if unexpected:
+        raise JakiroError(f"unexpected weights in target checkpoint: {', '.join(unexpected[:5])}"
+                          + (" ..." if len(unexpected) > 5 else ""))
+    return embed, layers, norm, FastLinear(head, keep_weight=True)
+
+
+def _gguf_layers(cfg: TargetConfig, weights, input_bytes: int):
+    """(embedding rows as the file holds them, layers, final norm, LM head) streamed from a GGUF
+    file's own blocks (``linear.BlockLinear``): each matrix read from the file once and laid out
+    for the kernels; the embedding stays memory-mapped (only the rows used become resident)."""
+    from .gguf_file import llama_row_order
+
+    def vector(name: str) -> torch.Tensor:
+        return weights.raw(name, copy=True).to(torch.float32)
+
+    def rows_order(name: str, heads: int):  # Llama files hold Q and K rows in llama.cpp's rotary order
+        if weights.architecture != "llama":
+            return None
+        return torch.from_numpy(llama_row_order(weights.shape(name)[0], heads))
+
+    def linear(names: list[str], orders=None, bias=None, keep=False) -> BlockLinear:
+        parts = [(weights.type(n), weights.raw(n, copy=True)) for n in names]
+        return BlockLinear(parts, bias, input_bytes, orders, keep=weights.raw(names[0]) if keep else None)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        layer = _Layer()
+        layer.input_norm = vector(p + "attn_norm.weight")
+        layer.post_norm = vector(p + "ffn_norm.weight")
+        orders = [rows_order(p + "attn_q.weight", cfg.num_heads), rows_order(p + "attn_k.weight", cfg.num_kv_heads),
+                  None]
+        bias = None
+        if cfg.qkv_bias:
+            biases = [vector(p + f"attn_{n}.bias") for n in "qkv"]
+            bias = torch.cat([b if o is None else b[o] for b, o in zip(biases, orders)])
+        layer.qkv = linear([p + f"attn_{n}.weight" for n in "qkv"], orders, bias)
+        layer.o = linear([p + "attn_output.weight"])
+        layer.gate_up = linear([p + "ffn_gate.weight", p + "ffn_up.weight"])
+        layer.down = linear([p + "ffn_down.weight"])
+        layer.q_norm = vector(p + "attn_q_norm.weight") if cfg.qk_norm else None
+        layer.k_norm = vector(p + "attn_k_norm.weight") if cfg.qk_norm else None
+        layers.append(layer)
+    head = "output.weight" if "output.weight" in weights else "token_embd.weight"
+    return weights.raw("token_embd.weight"), layers, vector("output_norm.weight"), linear([head], keep=True)
+
+
+class TargetModel:
+    """A Llama-family model with a tree-attention forward: float32 weights (a Hugging Face folder)
+    or a GGUF file's own blocks (``from_folder`` on a GGUF file's folder)."""
+
+    def __init__(self, hf_config, embed: torch.Tensor, layers: list, norm: torch.Tensor, lm_head, name: str = "",
+                 dtype: torch.dtype = torch.float32, input_bytes: int = 3, gguf=None,
+                 rope_factors: torch.Tensor | None = None):
+        """``embed``: [vocab, d] float, or a GGUF file's rows of it; ``layers``: ``_Layer``s whose
+        matrices are ``FastLinear`` (float weights) or ``BlockLinear`` (GGUF blocks);
+        ``input_bytes``: how the blocks take their inputs (3: float32 accuracy; 1: int8
+        activations); ``gguf``: the file's ``GGUFWeights`` (float32 copies on request)."""
         self.hf_config = hf_config
-        self.quantized_matrices = 0
         self.input_bytes = input_bytes
         self.config = cfg = TargetConfig.from_hf(hf_config, name)
         self.dtype = dtype
-        prefix = "model." if any(k.startswith("model.") for k in state) else ""
-        used: set[str] = set()
-
-        def full_key(key: str) -> str:
-            return prefix + key if not key.startswith("lm_head") else key
-
-        def take(key: str) -> torch.Tensor:
-            full = full_key(key)
-            if full not in state:
-                raise JakiroError(f"missing weight {full!r} in target checkpoint")
-            used.add(full)
-            return state[full].to(dtype)
-
-        def blocks(*keys: str):
-            from .quant import concatenated
-            if not quantized or dtype != torch.float32:
-                return None
-            found = concatenated([quantized.get(full_key(k)) for k in keys])
-            self.quantized_matrices += len(keys) if found is not None else 0
-            return found
-
-        self.embed = take("embed_tokens.weight").contiguous()  # [vocab, d]
-        if self.embed.shape != (cfg.vocab_size, cfg.hidden_size):
-            raise JakiroError(f"embedding shape {tuple(self.embed.shape)} does not match config "
-                              f"({cfg.vocab_size}, {cfg.hidden_size})")
-        self.layers: list[_Layer] = []
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            layer = _Layer()
-            layer.input_norm = take(p + "input_layernorm.weight")
-            layer.post_norm = take(p + "post_attention_layernorm.weight")
-            qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
-            qkv_b = (torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
-                     if cfg.qkv_bias else None)
-            layer.qkv = FastLinear(qkv_w, qkv_b, quantized=blocks(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
-                                   input_bytes=input_bytes)
-            layer.o = FastLinear(take(p + "self_attn.o_proj.weight"), quantized=blocks(p + "self_attn.o_proj.weight"),
-                                 input_bytes=input_bytes)
-            layer.gate_up = FastLinear(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                  take(p + "mlp.up_proj.weight")], 0),
-                                       quantized=blocks(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                                       input_bytes=input_bytes)
-            layer.down = FastLinear(take(p + "mlp.down_proj.weight"), quantized=blocks(p + "mlp.down_proj.weight"),
-                                    input_bytes=input_bytes)
-            layer.q_norm = take(p + "self_attn.q_norm.weight") if cfg.qk_norm else None
-            layer.k_norm = take(p + "self_attn.k_norm.weight") if cfg.qk_norm else None
-            self.layers.append(layer)
-        self.norm = take("norm.weight")
-        if "lm_head.weight" in state and not cfg.tie_word_embeddings:
-            head, head_blocks = take("lm_head.weight"), blocks("lm_head.weight")
-        else:
-            used.add("lm_head.weight")
-            head, head_blocks = self.embed, blocks("embed_tokens.weight")
-        self.lm_head = FastLinear(head, keep_weight=True, quantized=head_blocks, input_bytes=input_bytes)
-        unexpected = [k for k in state if k not in used and "rotary_emb" not in k]
-        if unexpected:
-            raise JakiroError(f"unexpected weights in target checkpoint: {', '.join(unexpected[:5])}"
-                              + (" ..." if len(unexpected) > 5 else ""))
+        self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
+        self.gguf = gguf
+        self.blocks_only = gguf is not None  # no float32 weights: every forward runs the kernels
+        # q, k, v, o, gate, up and down of each layer and the head
+        self.quantized_matrices = 7 * len(layers) + 1 if self.blocks_only else 0
         # tree tokens drafted past the last committable position still need a rotary angle
-        self.cos, self.sin = rope_tables(hf_config, cfg.head_dim, cfg.max_context + ROPE_SLACK)
+        self.cos, self.sin = rope_tables(hf_config, cfg.head_dim, cfg.max_context + ROPE_SLACK, rope_factors)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self._fused = self._fused_weights()
         # the longest prompt that runs in pieces (see CHUNKED_PREFILL_MAX); 0: none does
-        self._longest_chunked_prompt = (0 if self._fused is None or not self.tile_matrices else
-                                        cfg.max_context if input_bytes == 1 and not smallgemm.tiles_enabled()
-                                        else CHUNKED_PREFILL_MAX)
+        self._longest_chunked_prompt = (
+            cfg.max_context if self.blocks_only and self._fused is not None else
+            0 if self._fused is None or not self.tile_matrices else
+            cfg.max_context if input_bytes == 1 and not smallgemm.tiles_enabled() else CHUNKED_PREFILL_MAX)
 
     @property
     def int8_activations(self) -> bool:
@@ -234,18 +281,44 @@ class TargetModel:
         linears = [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return sum(lin.tiles for lin in linears + [self.lm_head])
 
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 embeddings [n, d] of token ids [n]."""
+        return embedding_rows(self.embed, ids)
+
+    def dense_embedding(self) -> torch.Tensor:
+        """The embedding [vocab, d] in float32 (a copy of a GGUF file's)."""
+        return self.embed if self.gguf is None else self.gguf.dense("token_embd.weight")
+
+    def dense_head(self) -> torch.Tensor:
+        """The LM head [vocab, d] in float32 (a copy of a GGUF file's)."""
+        if self.gguf is None:
+            return self.lm_head.weight
+        return self.gguf.dense("output.weight" if "output.weight" in self.gguf else "token_embd.weight")
+
+    @property
+    def head_rows(self) -> torch.Tensor:
+        """The LM head's rows as drafts index them: [vocab, d] float32, or a GGUF file's rows
+        (``embedding_rows`` turns either into float32)."""
+        return self.lm_head.weight if self.lm_head.weight is not None else self.lm_head.quantized[1]
+
     def _fused_weights(self) -> tuple[list, list[int]] | None:
-        """The layers' weights as ``smallgemm.decoder_layers`` takes them (nine per layer), where
-        every matrix has a small-batch kernel layout; else None (forwards stay in torch)."""
+        """The layers' weights as ``smallgemm.decoder_layers`` takes them (twelve per layer: see
+        ``csrc/decoder.cpp``), where every matrix has a small-batch kernel layout; else None
+        (forwards stay in torch)."""
         weights, sizes = [], []
         for layer in self.layers:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
             if any(lin.kernel_weight is None for lin in linears) or any(
-                    lin.bias is not None for lin in linears[1:]):
+                    lin.bias is not None for lin in linears[1:]) or any(
+                    len(getattr(lin, "parts", (0,))) > 1 for lin in linears[1::2]):
                 return None
-            weights += [layer.input_norm, layer.post_norm, layer.qkv.kernel_weight, layer.qkv.bias,
-                        layer.o.kernel_weight, layer.gate_up.kernel_weight, layer.down.kernel_weight,
-                        layer.q_norm, layer.k_norm]
+            qkv, gate_up = getattr(layer.qkv, "parts", [layer.qkv.kernel_weight]), getattr(
+                layer.gate_up, "parts", [layer.gate_up.kernel_weight])
+            # apart from q, k and v as three parts: v alone (after q and k in one), or k and v
+            k_v = qkv[1:] if len(qkv) == 3 else [None, qkv[1]] if len(qkv) == 2 else [None, None]
+            weights += [layer.input_norm, layer.post_norm, qkv[0], layer.qkv.bias, layer.o.kernel_weight, gate_up[0],
+                        layer.down.kernel_weight, layer.q_norm, layer.k_norm, *k_v,
+                        gate_up[1] if len(gate_up) == 2 else None]
             sizes += [lin.out_features for lin in linears]
         return weights, sizes
 
@@ -253,10 +326,13 @@ class TargetModel:
     @classmethod
     def from_folder(cls, folder: str, dtype: torch.dtype = torch.float32,
                     quantized: bool | None = None, int8_activations: bool | None = None) -> "TargetModel":
-        """``quantized`` (default: on unless ``JAKIRO_QUANTIZED=0``): stream the GGUF blocks of a model
-        converted from a GGUF file, where the small-batch kernel is available. ``int8_activations``
-        (default: off unless ``JAKIRO_INT8_ACTIVATIONS=1``): those blocks take their inputs as int8
-        (``models.quant``); needs the blocks and a CPU with AVX-512 VNNI or AMX."""
+        """A Hugging Face folder (float weights), or a GGUF file's folder (``hub.resolve_target``):
+        its blocks are streamed as the file holds them unless ``quantized=False`` (default: on
+        unless ``JAKIRO_QUANTIZED=0``), which runs a float32 copy; ``int8_activations`` (default:
+        off unless ``JAKIRO_INT8_ACTIVATIONS=1``): the blocks take their inputs as int8
+        (``models.quant``); needs a CPU with AVX-512 VNNI or AMX."""
+        from . import gguf_file, quant
+        from .hub import _log
         if not os.path.isdir(folder):
             raise JakiroError(f"model folder not found: {folder}")
         if not os.path.exists(os.path.join(folder, "config.json")):
@@ -266,23 +342,28 @@ class TargetModel:
             hf_config = AutoConfig.from_pretrained(folder)
         except Exception as exc:
             raise JakiroError(f"cannot read {os.path.join(folder, 'config.json')}: {exc}") from None
-        TargetConfig.from_hf(hf_config)  # fail on the architecture before reading weights
-        from . import quant, smallgemm
-        from .hub import _log
-        state = _load_state_dict(folder)
-        blocks = None
-        stream_blocks = quant.enabled() if quantized is None else quantized
-        if stream_blocks and dtype == torch.float32 and smallgemm.available():
-            blocks = quant.load_blocks(folder, state, hf_config, log=_log)
+        cfg = TargetConfig.from_hf(hf_config)  # fail on the architecture before reading weights
+        name = os.path.basename(os.path.normpath(folder))
+        is_gguf = gguf_file.is_gguf_folder(folder)
+        stream_blocks = is_gguf and (quant.enabled() if quantized is None else quantized) and dtype == torch.float32
+        if is_gguf and stream_blocks and not smallgemm.available():
+            _log("without the small-batch kernel a GGUF file's blocks cannot be streamed: running a float32 copy")
+            stream_blocks = False
         int8 = quant.int8_activations() if int8_activations is None else int8_activations
-        if int8 and not blocks:
-            raise JakiroError("int8 activations need a target converted from a GGUF file, streamed as its blocks "
-                              f"({folder} has none here{'' if stream_blocks else ', or the float32 weights are streamed'})")
-        if int8 and not (smallgemm.tiles_enabled() or smallgemm.int8_enabled()):
+        if int8 and not stream_blocks:
+            raise JakiroError("int8 activations need a target from a GGUF file, streamed as its blocks "
+                              f"({folder} has none here{'' if not is_gguf else ', or a float32 copy is run'})")
+        if int8 and not smallgemm.int8_activations_usable():
             raise JakiroError("int8 activations need a CPU with AVX-512 VNNI or AMX tiles (and JAKIRO_INT8 / "
                               "JAKIRO_AMX not set to 0); this one runs float32 inputs only")
-        return cls(hf_config, state, name=os.path.basename(os.path.normpath(folder)), dtype=dtype, quantized=blocks,
-                   input_bytes=1 if int8 else 3)
+        input_bytes = 1 if int8 else 3
+        if not stream_blocks:
+            state = _load_state_dict(folder)
+            return cls(hf_config, *_state_layers(cfg, state, dtype), name=name, dtype=dtype)
+        weights = gguf_file.GGUFWeights(folder)
+        factors = weights.raw("rope_freqs.weight", copy=True) if "rope_freqs.weight" in weights else None
+        return cls(hf_config, *_gguf_layers(cfg, weights, input_bytes), name=name, input_bytes=input_bytes,
+                   gguf=weights, rope_factors=factors)
 
     def new_cache(self, max_len: int, scratch: int = 0) -> KVCache:
         """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the
@@ -330,14 +411,17 @@ class TargetModel:
         if n == 1 and tree_mask is not None and not bool(tree_mask[0, 0]):
             raise ValueError("a token must attend to itself")
         self.check_aux_layers(aux_layers)
-        x = self.embed[input_ids]  # [n, d]
-        if self._fused is not None and (n <= SMALL_ROWS or (
+        x = self.embed_rows(input_ids)  # [n, d]
+        if self._fused is not None and (n <= SMALL_ROWS or self.blocks_only or (
                 chunked and tree_mask is None and n <= self._longest_chunked_prompt)):
             cache.check_room(n)
-            pieces = []  # a longer causal run (a prompt) in pieces of SMALL_ROWS, each after those before it
-            for s in range(0, n, SMALL_ROWS):
-                pos = position_ids[s:s + SMALL_ROWS]
-                pieces.append(smallgemm.decoder_layers(x[s:s + SMALL_ROWS], *self._fused, cache.data, past + s,
+            # a longer causal run (a prompt) in pieces of SMALL_ROWS, each after those before it; a
+            # larger tree (blocks only) in one piece
+            step = SMALL_ROWS if tree_mask is None else n
+            pieces = []
+            for s in range(0, n, step):
+                pos = position_ids[s:s + step]
+                pieces.append(smallgemm.decoder_layers(x[s:s + step], *self._fused, cache.data, past + s,
                                                        self.cos[pos], self.sin[pos], tree_mask, cfg.num_heads,
                                                        cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, aux_layers,
                                                        self.input_bytes))
@@ -411,7 +495,7 @@ class TargetModel:
             raise ValueError(f"{B} tokens for a cache of {cache.batch} sequences")
         self.check_aux_layers(aux_layers)
         positions = cache.lengths
-        x = self.embed[input_ids]  # [B, d]
+        x = self.embed_rows(input_ids)  # [B, d]
         if self._fused is not None:
             cache.check_room()
             x = smallgemm.decoder_layers_batch(x, *self._fused, cache.data, positions, self.cos[positions],
@@ -480,3 +564,11 @@ class TargetModel:
         return x + layer.down(F.silu(gate) * up)
 
     __call__ = forward
+
+
+def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Float32 rows [n, d] of an embedding for token ids: a float table [V, d], or a GGUF file's
+    rows of it (raw blocks, float16 or bfloat16)."""
+    if table.dtype == torch.float32 and table.dim() == 2:
+        return F.embedding(ids, table)
+    return smallgemm.gguf_rows(table, ids.to(torch.long))

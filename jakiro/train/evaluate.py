@@ -40,7 +40,7 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     for folder in drafts:
         draft = load_draft(folder, model)
         ds.check_draft(draft.config)
-        metrics = heldout_metrics(draft, batches, steps, model.lm_head.weight)
+        metrics = heldout_metrics(draft, batches, steps, model.dense_head())
         row = {"draft": folder, "heldout_records": len(eval_idx),
                **{k: [round(x, 4) for x in v] for k, v in metrics.items()}}
         if prompts:

@@ -202,8 +202,8 @@ class Trainer:
         self.ds.check_target(target)
         self.target_name = target.config.name
         self.featurizer = self.ds.featurizer(self.target_dir, self.device)  # tokens-only data: per batch
-        self.embed = target.embed.to(self.device)
-        self.full_head = target.lm_head.weight.to(self.device)
+        self.embed = target.dense_embedding().to(self.device)
+        self.full_head = target.dense_head().to(self.device)
         self.train_idx, self.eval_idx = heldout_split(self.ds.parts, cfg.eval_records)
         return target
 

@@ -496,9 +496,43 @@ struct Shape {
   int64_t qkv() const { return (H + 2 * Hkv) * D; }
 };
 
+// a layer's q/k/v or gate/up projection: one weight over all its outputs, or (where a file holds
+// them in different block types) two or three weights whose outputs follow one another
+struct Stacked {
+  const at::Tensor* part[3] = {nullptr, nullptr, nullptr};
+  int64_t rows[3] = {0, 0, 0};
+  int count = 0;
+};
+
+Stacked single(const at::Tensor* w, int64_t rows) {
+  Stacked s;
+  s.part[0] = w;
+  s.rows[0] = rows;
+  s.count = 1;
+  return s;
+}
+
+// y [M, N] = x @ W^T (+ bias) for a stacked weight (each part's rows into its columns of y)
+void apply_stacked(const Stacked& w, int64_t N, const float* bias, const float* x, int64_t M, int64_t K, float* y,
+                   int64_t input_bytes) {
+  if (w.count == 1) return jakiro::apply_linear(*w.part[0], N, bias, x, M, K, y, input_bytes);
+  std::vector<float> part;
+  int64_t col = 0;
+  for (int p = 0; p < w.count; ++p) {
+    const int64_t rows = w.rows[p];
+    part.resize(M * rows);
+    jakiro::apply_linear(*w.part[p], rows, nullptr, x, M, K, part.data(), input_bytes);
+    for (int64_t r = 0; r < M; ++r) std::memcpy(y + r * N + col, part.data() + r * rows, rows * sizeof(float));
+    col += rows;
+  }
+  if (bias)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t j = 0; j < N; ++j) y[r * N + j] += bias[j];
+}
+
 struct AttentionWeights {
   const float* norm;
-  const at::Tensor* qkv;
+  Stacked qkv;
   const float* qkv_bias;
   const at::Tensor* o;
   const float* q_norm;  // per-head norms of Qwen3, else null
@@ -540,7 +574,7 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
                      int64_t input_bytes = 3) {
   const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv, D = S.D, NQKV = S.qkv(), g = H / Hkv;
   for (int64_t r = 0; r < n; ++r) rmsnorm(x + r * d, w.norm, s.h + r * d, d, S.eps);
-  jakiro::apply_linear(*w.qkv, NQKV, w.qkv_bias, s.h, n, d, s.qkv, input_bytes);
+  apply_stacked(w.qkv, NQKV, w.qkv_bias, s.h, n, d, s.qkv, input_bytes);
   for (int64_t r = 0; r < n; ++r) {
     float* row = s.qkv + r * NQKV;
     for (int64_t a = 0; a < H + Hkv; ++a) {
@@ -590,11 +624,11 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
 }
 
 // x [n, d] += down(silu(gate) * up) of rmsnorm(x); gu [n, 2 inter], act [n, inter] scratch
-void mlp_block(float* x, const Shape& S, const float* norm, const at::Tensor& gate_up, const at::Tensor& down,
+void mlp_block(float* x, const Shape& S, const float* norm, const Stacked& gate_up, const at::Tensor& down,
                float* y, float* gu, float* act, int64_t input_bytes = 3) {
   const int64_t n = S.n, d = S.d, I = S.inter;
   for (int64_t r = 0; r < n; ++r) rmsnorm(x + r * d, norm, y + r * d, d, S.eps);
-  jakiro::apply_linear(gate_up, 2 * I, nullptr, y, n, d, gu, input_bytes);
+  apply_stacked(gate_up, 2 * I, nullptr, y, n, d, gu, input_bytes);
   for (int64_t r = 0; r < n; ++r) {
     const float* gate = gu + r * 2 * I;
     const float* up = gate + I;
@@ -607,7 +641,9 @@ void mlp_block(float* x, const Shape& S, const float* norm, const at::Tensor& ga
   for (int64_t i = 0; i < n * d; ++i) x[i] += y[i];
 }
 
-constexpr int64_t SLOTS = 9;  // weights per layer in decoder_layers' list
+// weights per layer in decoder_layers' list: input norm, post-attention norm, q/k/v (or q), its
+// bias, o, gate/up (or gate), down, q norm, k norm, then k, v and up where stored apart
+constexpr int64_t SLOTS = 12;
 
 const float* optional_data(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
@@ -635,25 +671,51 @@ LayerCache layer_cache(const at::Tensor& kv, int64_t layer) {
 
 // The layers' weights as decoder_layers takes them (nine per layer), checked against the shapes;
 // fills S.inter
+bool present(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// a projection from slot `first` and those of `rest` that are present (stored apart: k and v,
+// or up; each `rest_rows` rows, the first part the rest of N), checked against the kernels
+Stacked stacked(const c10::optional<at::Tensor>* w, int64_t first, std::initializer_list<int64_t> rest, int64_t N,
+                int64_t rest_rows, int64_t K, int64_t layer) {
+  Stacked s;
+  s.part[0] = &*w[first];
+  s.rows[0] = N;
+  s.count = 1;
+  for (int64_t slot : rest) {
+    if (!present(w[slot])) continue;
+    s.part[s.count] = &*w[slot];
+    s.rows[s.count++] = rest_rows;
+    s.rows[0] -= rest_rows;
+  }
+  for (int p = 0; p < s.count; ++p)
+    TORCH_CHECK(s.rows[p] > 0 && jakiro::valid_linear(*s.part[p], s.rows[p], K), "decoder_layers: layer ", layer,
+                " has a weight the kernels cannot take");
+  return s;
+}
+
+// The layers' weights as decoder_layers takes them (SLOTS per layer), checked against the shapes;
+// fills S.inter, and each layer's gate/up into `gate_up`
 std::vector<AttentionWeights> layer_weights(const std::vector<c10::optional<at::Tensor>>& weights,
-                                            at::IntArrayRef out_features, Shape& S) {
+                                            at::IntArrayRef out_features, Shape& S, std::vector<Stacked>& gate_up) {
   const int64_t layers = static_cast<int64_t>(weights.size()) / SLOTS, d = S.d;
   TORCH_CHECK(layers * SLOTS == static_cast<int64_t>(weights.size()) &&
                   static_cast<int64_t>(out_features.size()) == 4 * layers,
-              "decoder_layers: 9 weights and 4 output sizes per layer");
+              "decoder_layers: 12 weights and 4 output sizes per layer");
   std::vector<AttentionWeights> attn(layers);
+  gate_up.resize(layers);
   for (int64_t l = 0; l < layers; ++l) {
     const auto* w = &weights[l * SLOTS];
     for (int64_t s : {0, 1, 2, 4, 5, 6})
-      TORCH_CHECK(w[s].has_value() && w[s]->defined(), "decoder_layers: layer ", l, " lacks weight ", s);
+      TORCH_CHECK(present(w[s]), "decoder_layers: layer ", l, " lacks weight ", s);
     const int64_t* N = &out_features[l * 4];
     TORCH_CHECK(N[0] == S.qkv() && N[1] == d && N[3] == d && N[2] % 2 == 0 && (l == 0 || N[2] / 2 == S.inter),
                 "decoder_layers: layer ", l, " shapes");
     S.inter = N[2] / 2;
-    TORCH_CHECK(jakiro::valid_linear(*w[2], N[0], d) && jakiro::valid_linear(*w[4], N[1], S.H * S.D) &&
-                    jakiro::valid_linear(*w[5], N[2], d) && jakiro::valid_linear(*w[6], N[3], S.inter),
+    TORCH_CHECK(jakiro::valid_linear(*w[4], N[1], S.H * S.D) && jakiro::valid_linear(*w[6], N[3], S.inter),
                 "decoder_layers: layer ", l, " has a weight the kernels cannot take");
-    attn[l] = {w[0]->data_ptr<float>(), &*w[2], optional_data(w[3]), &*w[4], optional_data(w[7]), optional_data(w[8])};
+    attn[l] = {w[0]->data_ptr<float>(), stacked(w, 2, {9, 10}, N[0], S.Hkv * S.D, d, l), optional_data(w[3]), &*w[4],
+               optional_data(w[7]), optional_data(w[8])};
+    gate_up[l] = stacked(w, 5, {11}, N[2], S.inter, d, l);
   }
   return attn;
 }
@@ -662,7 +724,7 @@ std::vector<AttentionWeights> layer_weights(const std::vector<c10::optional<at::
 // The layers over x [n, d]; with ``keep_after`` (increasing layer counts), [n, 1 + A, d]: the last
 // residual stream, then the stream after each of those layers.
 at::Tensor run_layers(at::Tensor x, const std::vector<c10::optional<at::Tensor>>& weights, Shape S,
-                      const std::vector<AttentionWeights>& attn, const std::vector<LayerCache>& caches, int64_t past,
+                      const std::vector<AttentionWeights>& attn, const std::vector<Stacked>& gate_up, const std::vector<LayerCache>& caches, int64_t past,
                       const at::Tensor& cos, const at::Tensor& sin, const std::vector<Visible>& vis, int64_t keys,
                       at::IntArrayRef keep_after, int64_t input_bytes) {
   const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv, A = static_cast<int64_t>(keep_after.size());
@@ -682,7 +744,7 @@ at::Tensor run_layers(at::Tensor x, const std::vector<c10::optional<at::Tensor>>
     const auto* w = &weights[l * SLOTS];
     attention_block(xp, S, attn[l], caches[l], past, cos.data_ptr<float>(), sin.data_ptr<float>(), vis, scratch,
                     input_bytes);
-    mlp_block(xp, S, w[1]->data_ptr<float>(), *w[5], *w[6], scratch.y, gu.data_ptr<float>(), act.data_ptr<float>(),
+    mlp_block(xp, S, w[1]->data_ptr<float>(), gate_up[l], *w[6], scratch.y, gu.data_ptr<float>(), act.data_ptr<float>(),
               input_bytes);
     for (int64_t j = 0; j < A; ++j)
       if (keep_after[j] == static_cast<int64_t>(l) + 1) streams.select(1, 1 + j).copy_(x);
@@ -703,10 +765,11 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optiona
   check_cache(kv, layers, Hkv, past, n);
   Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
   check_rope(cos, sin, n, S.D);
-  const auto attn = layer_weights(weights, out_features, S);
+  std::vector<Stacked> gate_up;
+  const auto attn = layer_weights(weights, out_features, S, gate_up);
   std::vector<LayerCache> caches;
   for (int64_t l = 0; l < layers; ++l) caches.push_back(layer_cache(kv, l));
-  return run_layers(x, weights, S, attn, caches, past, cos, sin, visibility(tree_mask, n, past, false), past + n,
+  return run_layers(x, weights, S, attn, gate_up, caches, past, cos, sin, visibility(tree_mask, n, past, false), past + n,
                     keep_after, input_bytes);
 }
 
@@ -739,7 +802,8 @@ at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::o
   }
   Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
   check_rope(cos, sin, n, S.D);
-  const auto attn = layer_weights(weights, out_features, S);
+  std::vector<Stacked> gate_up;
+  const auto attn = layer_weights(weights, out_features, S, gate_up);
   std::vector<LayerCache> caches;
   for (int64_t l = 0; l < layers; ++l) {
     LayerCache c = layer_cache(kv, l);
@@ -747,7 +811,7 @@ at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::o
     c.at = at_pos;
     caches.push_back(c);
   }
-  return run_layers(x, weights, S, attn, caches, 0, cos, sin, vis, keys, keep_after, input_bytes);
+  return run_layers(x, weights, S, attn, gate_up, caches, 0, cos, sin, vis, keys, keep_after, input_bytes);
 }
 
 // A draft's fusion layer and attention block (EAGLE's fc over [embedding, feature], then a
@@ -766,8 +830,8 @@ at::Tensor draft_attend(const at::Tensor& features, const at::Tensor& tokens, co
   TORCH_CHECK(tokens.dim() == 1 && tokens.size(0) == n && tokens.scalar_type() == at::kLong &&
                   positions.dim() == 1 && positions.size(0) == n && positions.scalar_type() == at::kLong,
               "draft_attend: tokens and positions must be [n] int64");
-  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == d && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
-              "draft_attend: embed must be [V, d] float32");
+  TORCH_CHECK(jakiro::valid_rows(embed) && jakiro::row_width(embed) == d,
+              "draft_attend: embed must be [V, d] float rows or GGUF blocks of rows of d values");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "draft_attend: head layout");
   check_cache(kv, 1, Hkv, past, n);
   Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
@@ -789,7 +853,7 @@ at::Tensor draft_attend(const at::Tensor& features, const at::Tensor& tokens, co
     const int64_t t = tok.data_ptr<int64_t>()[r], p = pos.data_ptr<int64_t>()[r];
     TORCH_CHECK(t >= 0 && t < embed.size(0), "draft_attend: token id ", t, " outside the embedding");
     TORCH_CHECK(p >= 0 && p < cos_table.size(0), "draft_attend: position ", p, " beyond the rotary tables");
-    std::memcpy(xin.data_ptr<float>() + r * 2 * d, embed.data_ptr<float>() + t * d, d * sizeof(float));
+    jakiro::embedding_row(embed, t, xin.data_ptr<float>() + r * 2 * d);
     std::memcpy(xin.data_ptr<float>() + r * 2 * d + d, fin.data_ptr<float>() + r * d, d * sizeof(float));
     std::memcpy(cos.data_ptr<float>() + r * S.D, cos_table.data_ptr<float>() + p * S.D, S.D * sizeof(float));
     std::memcpy(sin.data_ptr<float>() + r * S.D, sin_table.data_ptr<float>() + p * S.D, S.D * sizeof(float));
@@ -801,7 +865,7 @@ at::Tensor draft_attend(const at::Tensor& features, const at::Tensor& tokens, co
   auto y = at::empty({n, d}, opts), scores = at::empty({n * Hkv, (H / Hkv) * (past + n)}, opts);
   const Scratch scratch{h.data_ptr<float>(), qb.data_ptr<float>(), ob.data_ptr<float>(), y.data_ptr<float>(),
                         scores.data_ptr<float>(), past + n};
-  const AttentionWeights w{norm.data_ptr<float>(), &qkv, nullptr, &o, nullptr, nullptr};
+  const AttentionWeights w{norm.data_ptr<float>(), single(&qkv, S.qkv()), nullptr, &o, nullptr, nullptr};
   attention_block(x.data_ptr<float>(), S, w, layer_cache(kv, 0), past, cos.data_ptr<float>(), sin.data_ptr<float>(),
                   vis, scratch, input_bytes);
   return x;
@@ -827,7 +891,7 @@ void mlp_rows(float* x, int64_t n, int64_t d, int64_t inter, double eps, const f
               const at::Tensor& down, int64_t input_bytes, const at::TensorOptions& opts) {
   const Shape S{n, d, 0, 0, 0, inter, static_cast<float>(eps), 0.f};
   auto y = at::empty({n, d}, opts), gu = at::empty({n, 2 * inter}, opts), act = at::empty({n, inter}, opts);
-  mlp_block(x, S, norm, gate_up, down, y.data_ptr<float>(), gu.data_ptr<float>(), act.data_ptr<float>(), input_bytes);
+  mlp_block(x, S, norm, single(&gate_up, 2 * inter), down, y.data_ptr<float>(), gu.data_ptr<float>(), act.data_ptr<float>(), input_bytes);
 }
 
 // the k largest of z[0..V) (ties: the lower index first; NaN never taken) as indices and their

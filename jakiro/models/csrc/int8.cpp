@@ -53,13 +53,16 @@ constexpr int64_t Q8_TILE_BYTES = jakiro::amx_pack_bytes(false);  // amx_pack's 
 #if defined(JAKIRO_VNNI)
 
 // x [M, K] -> P byte rows per input row, u [M][P][K], scale [M, K / 32] and the blocks' sums
-// [M, K / 32] (for Q4_1's offsets m: m * sum(x), as the tile kernel takes them). P = 1: X =
+// [M, K / 32] (for Q4_1's offsets m: m * sum(x), as the tile kernel takes them; where
+// ``half_sums`` is given, also the sums of each block's two halves of 16, [M, K / 16], whose sum
+// is the block's). P = 1: X =
 // round(x * 2^(7 - E)) clamped to [-127, 127]; P = 3: X = round(x * 2^(22 - E)) as the tile
 // kernel's balanced bytes a1, a2, a3. The bytes are signed for Q4_1's unsigned weights and + 128
 // (unsigned) for Q8_0's signed ones; the scale is 2^(E - 7) or 2^(E - 22), 0 for a block of zeros,
 // NaN for a non-finite block (which makes its outputs NaN as float32 arithmetic would).
 template <int P>
-void prepare(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, float* sums, bool offset) {
+void prepare(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, float* sums, float* half_sums,
+             bool offset) {
   static_assert(P == 1 || P == 3, "one or three bytes per input");
   constexpr int S = P == 1 ? 7 : 22;
   const int64_t nb = K / QB;
@@ -69,8 +72,13 @@ void prepare(const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, flo
       const float* xb = x + m * K + b * QB;
       const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float sum = jakiro::hsum((jakiro::vf)lo) + jakiro::hsum((jakiro::vf)hi);
+      const float lo_sum = jakiro::hsum((jakiro::vf)lo), hi_sum = jakiro::hsum((jakiro::vf)hi);
+      const float sum = lo_sum + hi_sum;
       sums[m * nb + b] = sum;
+      if (half_sums) {
+        half_sums[2 * (m * nb + b)] = lo_sum;
+        half_sums[2 * (m * nb + b) + 1] = hi_sum;
+      }
       uint8_t* ub = u + P * m * K + b * QB;
       if (!(amax > 0) || !std::isfinite(amax) || !std::isfinite(sum)) {
         for (int p = 0; p < P; ++p) std::memset(ub + p * K, offset ? 128 : 0, QB);
@@ -241,7 +249,7 @@ void linear_bytes(const float* x, int64_t M, int64_t K, const uint8_t* wp, bool 
   const int64_t nb = K / QB, BB = jakiro::amx_pack_bytes(q4);
   std::vector<uint8_t> u(P * M * K);
   std::vector<float> scale(M * nb), sums(M * nb);
-  prepare<P>(x, M, K, u.data(), scale.data(), sums.data(), !q4);
+  prepare<P>(x, M, K, u.data(), scale.data(), sums.data(), nullptr, !q4);
   at::parallel_for(0, N / G, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       if (q4)
@@ -256,6 +264,16 @@ void linear_bytes(const float* x, int64_t M, int64_t K, const uint8_t* wp, bool 
 }  // namespace
 
 namespace jakiro {
+
+#if defined(JAKIRO_VNNI)
+void prepare_inputs(int P, const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, float* sums,
+                    float* half_sums, bool offset) {
+  if (P == 1)
+    prepare<1>(x, M, K, u, scale, sums, half_sums, offset);
+  else
+    prepare<3>(x, M, K, u, scale, sums, half_sums, offset);
+}
+#endif
 
 bool int8_usable() {
 #if defined(JAKIRO_VNNI)

@@ -68,4 +68,26 @@ bool int8_usable();
 void int8_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
                       int64_t input_bytes);
 
+// The int8 kernel's input rows (int8.cpp, with AVX-512 VNNI): per block of 32 values P = 1 or 3
+// bytes each (``offset``: + 128, for signed weights), the block's power-of-two scale and the
+// float32 sum of its values (and, with ``half_sums``, of its two halves of 16).
+void prepare_inputs(int P, const float* x, int64_t M, int64_t K, uint8_t* u, float* scale, float* sums,
+                    float* half_sums, bool offset);
+
+// GGUF's other block types (kquants.cpp: Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) in their packed layout
+// (``kq_pack``: int8 [N/16, K/QK, bytes]): whether ``w`` is such a weight, its values per block,
+// and y [M, N] = x [M, K] @ W^T (the int8 kernel with AVX-512 VNNI, taking x as ``input_bytes``
+// bytes, else the portable float32 kernel).
+bool kq_weight(const at::Tensor& w);
+int64_t kq_block_values(const at::Tensor& w);
+void kq_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, int64_t N, float* y,
+                    int64_t input_bytes);
+
+// Rows of an embedding as GGUF holds it: raw blocks [V, blocks, bytes] (any type above, Q4_1,
+// Q8_0) or float32 / float16 / bfloat16 [V, d]: whether ``src`` is one, its row width d, and
+// row r in float32 (as GGUF's reference dequantization gives it).
+bool valid_rows(const at::Tensor& src);
+int64_t row_width(const at::Tensor& src);
+void embedding_row(const at::Tensor& src, int64_t r, float* out);
+
 }  // namespace jakiro

@@ -449,7 +449,9 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
     linear_rows(x, M, K, w.data_ptr<float>(), N, bias, y);
     return;
   }
-  if (amx_weight(w) && !amx_usable())  // tile layout without tiles: the int8 (AVX-512 VNNI) kernel
+  if (kq_weight(w))
+    kq_linear_rows(x, M, K, w, N, y, input_bytes);
+  else if (amx_weight(w) && !amx_usable())  // tile layout without tiles: the int8 (AVX-512 VNNI) kernel
     int8_linear_rows(x, M, K, w, N, y, input_bytes);
   else if (amx_weight(w))
     amx_linear_rows(x, M, K, w, N, y, input_bytes);
@@ -465,6 +467,7 @@ void apply_linear(const at::Tensor& w, int64_t N, const float* bias, const float
 bool valid_linear(const at::Tensor& w, int64_t N, int64_t K) {
   if (!w.is_contiguous() || w.dim() != 3) return false;
   if (w.scalar_type() == at::kFloat) return w.size(2) == VL && w.size(1) == K && N <= w.size(0) * VL && N > (w.size(0) - 1) * VL;
+  if (kq_weight(w)) return (w.size(0) - 1) * 16 < N && N <= w.size(0) * 16 && w.size(1) * kq_block_values(w) == K;
   if (amx_weight(w))
     return w.size(0) * 16 == N && w.size(1) * QB == K &&
            (amx_usable() || int8_usable());
@@ -480,7 +483,7 @@ namespace {
 // ([N][K/32][bytes]) or of the AMX kernel (``amx_pack``, which takes x as ``input_bytes`` bytes)
 at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t input_bytes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "quantized linear: x must be [rows, in] float32");
-  TORCH_CHECK(w.scalar_type() == at::kByte && jakiro::valid_linear(w, N, x.size(1)),
+  TORCH_CHECK((w.scalar_type() == at::kByte || w.scalar_type() == at::kChar) && jakiro::valid_linear(w, N, x.size(1)),
               "quantized linear: the packed blocks do not match x");
   auto xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1);
