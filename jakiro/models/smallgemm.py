@@ -224,11 +224,12 @@ def kq_int8() -> bool:
     on CPUs with AVX-512 VNNI (AMX CPUs have it too), unless ``JAKIRO_INT8=0``; else the portable
     float32 kernel reads their layout."""
     if "kq_int8" not in _state:
-        on = (os.environ.get("JAKIRO_INT8", "1") not in ("", "0") and available()
-              and bool(torch.ops.jakiro_smallgemm.int8_usable()))
-        if available():
-            torch.ops.jakiro_smallgemm.set_kq_int8(on)
-        _state["kq_int8"] = on
+        on = os.environ.get("JAKIRO_INT8", "1") not in ("", "0") and available()
+        if on:  # the integer kernel (AVX-512 VNNI, else AVX2) reads their layout, else the float32 one
+            torch.ops.jakiro_smallgemm.set_kq_int8(True)
+        elif available():
+            torch.ops.jakiro_smallgemm.set_kq_int8(False)
+        _state["kq_int8"] = on and bool(torch.ops.jakiro_smallgemm.int8_usable())
     return _state["kq_int8"]
 
 

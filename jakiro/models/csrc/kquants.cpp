@@ -43,6 +43,8 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define JAKIRO_KQ_VNNI 1
+#endif
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -79,6 +81,12 @@ constexpr TypeInfo TYPES[] = {
     {13, 256, 176, 2880, true, 0, 32},      // Q5_K
     {14, 256, 210, 3360, false, 32, 16},    // Q6_K
 };
+
+constexpr TypeInfo type_info(int64_t id) {
+  for (const auto& t : TYPES)
+    if (t.id == id) return t;
+  return TYPES[0];
+}
 
 const TypeInfo* type_by_raw(int64_t raw) {
   for (const auto& t : TYPES)
@@ -693,6 +701,243 @@ void dispatch(const float* x, int64_t M, int64_t K, const uint8_t* w, const Type
 }  // namespace vnni
 #endif  // JAKIRO_KQ_VNNI
 
+
+// The inputs as the integer kernels take them, in plain C++ (int8.cpp's ``prepare_inputs`` does
+// the same with AVX-512): per block of 32, P bytes per value (+ 128 for symmetric types), the
+// block's power-of-two scale and the float32 sums of its halves of 16.
+[[maybe_unused]] void prepare_scalar(int P, const float* x, int64_t M, int64_t K, uint8_t* u, float* scale,
+                                     float* half_sums, bool offset) {
+  const int S = P == 1 ? 7 : 22, bias = offset ? 128 : 0;
+  const int64_t nb = K / QB;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + m * K + b * QB;
+      float amax = 0.0f, sums[2] = {0.0f, 0.0f};
+      bool finite = true;
+      for (int i = 0; i < QB; ++i) {
+        amax = std::max(amax, std::fabs(xb[i]));
+        sums[i / 16] += xb[i];
+        finite &= std::isfinite(xb[i]);
+      }
+      half_sums[2 * (m * nb + b)] = sums[0];
+      half_sums[2 * (m * nb + b) + 1] = sums[1];
+      uint8_t* ub = u + P * m * K + b * QB;
+      if (!(amax > 0) || !finite) {
+        for (int p = 0; p < P; ++p) std::memset(ub + p * K, bias, QB);
+        scale[m * nb + b] = finite ? 0.0f : NAN;
+        continue;
+      }
+      const int e = std::ilogb(amax) + 1;
+      const float up = std::ldexp(1.0f, S - e);
+      scale[m * nb + b] = std::ldexp(1.0f, e - S);
+      for (int i = 0; i < QB; ++i) {
+        const int32_t X = static_cast<int32_t>(std::nearbyint(xb[i] * up));
+        if (P == 1) {
+          ub[i] = static_cast<uint8_t>(std::max(-127, std::min(127, X)) + bias);
+        } else {
+          const int32_t a1 = (X + 32896) >> 16, r1 = X - (a1 << 16), a2 = (r1 + 128) >> 8, a3 = r1 - (a2 << 8);
+          ub[i] = static_cast<uint8_t>(a1 + bias);
+          ub[K + i] = static_cast<uint8_t>(a2 + bias);
+          ub[2 * K + i] = static_cast<uint8_t>(a3 + bias);
+        }
+      }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The integer kernel on AVX2 (no AVX-512 VNNI: Zen 2-3, Haswell and later): the same sums as the
+// VNNI kernel, each 64-byte row of the layout read as two 32-byte halves of 8 columns, and four
+// products of a byte pair summed by maddubs (unsigned times signed bytes into 16-bit pairs, which
+// these codes cannot saturate: at most 255 x 32 x 2 or 63 x 128 x 2) then madd into 32-bit lanes.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(JAKIRO_KQ_VNNI)
+#define JAKIRO_KQ_AVX2 1
+namespace avx2 {
+
+inline __m256i ld(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256 halves8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 u8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 s8f(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256i shr(__m256i x, int n) { return _mm256_srl_epi16(x, _mm_cvtsi32_si128(n)); }
+inline __m256i shl(__m256i x, int n) { return _mm256_sll_epi16(x, _mm_cvtsi32_si128(n)); }
+
+// the codes of block j for columns 8h..8h+7: eight rows of 8 lanes x 4 inputs (signed: code - o)
+template <int ID>
+inline void codes(const uint8_t* o, int j, int h, __m256i q[8]) {
+  constexpr Offsets f = offsets(ID);
+  constexpr TypeInfo t = type_info(ID);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3);
+  if constexpr (f.nib >= 0)
+    for (int i = 0; i < 4; ++i) {
+      const __m256i raw = ld(o + f.nib + 256 * j + 64 * i + 32 * h);
+      q[i] = _mm256_and_si256(raw, m4);
+      q[i + 4] = _mm256_and_si256(shr(raw, 4), m4);
+    }
+  if constexpr (f.two >= 0)
+    for (int i = 0; i < 8; ++i) q[i] = _mm256_and_si256(shr(ld(o + f.two + 128 * j + 64 * (i / 4) + 32 * h), 2 * (i % 4)), m2);
+  if constexpr (ID == 14) {
+    for (int i = 0; i < 8; ++i) {
+      const __m256i x = _mm256_and_si256(shr(ld(o + f.hi + 128 * j + 64 * (i / 4) + 32 * h), 2 * (i % 4)), m2);
+      q[i] = _mm256_or_si256(q[i], shl(x, 4));
+    }
+  } else if constexpr (f.hi >= 0) {
+    constexpr int bit = ID == 11 ? 2 : 4;
+    const __m256i H = ld(o + f.hi + 64 * j + 32 * h), one = _mm256_set1_epi8(1);
+    for (int i = 0; i < 8; ++i) q[i] = _mm256_or_si256(q[i], shl(_mm256_and_si256(shr(H, i), one), bit));
+  }
+  if constexpr (!t.is_min) {
+    const __m256i off = _mm256_set1_epi8(static_cast<char>(t.offset));
+    for (int i = 0; i < 8; ++i) q[i] = _mm256_sub_epi8(q[i], off);
+  }
+}
+
+// D and M for inputs 16hh..16hh+15 of block j, columns 8h..8h+7
+template <int ID>
+inline void scales(const uint8_t* o, int j, int h, __m256 D[2], __m256 M[2]) {
+  constexpr Offsets f = offsets(ID);
+  const __m256 d = halves8(o + f.d + 16 * h);
+  if constexpr (ID == 2 || ID == 6) {
+    D[0] = D[1] = d;
+  } else if constexpr (ID == 7) {
+    D[0] = D[1] = d;
+    M[0] = M[1] = halves8(o + f.dmin + 16 * h);
+  } else if constexpr (ID == 10) {
+    const __m256 nd = _mm256_sub_ps(_mm256_setzero_ps(), halves8(o + f.dmin + 16 * h));
+    for (int hh = 0; hh < 2; ++hh) {
+      const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + f.sc + 16 * (2 * j + hh) + 8 * h)));
+      D[hh] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(sc, _mm256_set1_epi32(15))));
+      M[hh] = _mm256_mul_ps(nd, _mm256_cvtepi32_ps(_mm256_srli_epi32(sc, 4)));
+    }
+  } else if constexpr (ID == 12 || ID == 13) {
+    const __m256 nd = _mm256_sub_ps(_mm256_setzero_ps(), halves8(o + f.dmin + 16 * h));
+    D[0] = D[1] = _mm256_mul_ps(d, u8f(o + f.sc + 16 * j + 8 * h));
+    M[0] = M[1] = _mm256_mul_ps(nd, u8f(o + f.mn + 16 * j + 8 * h));
+  } else {  // Q3_K, Q6_K: signed scales per 16 inputs
+    for (int hh = 0; hh < 2; ++hh) D[hh] = _mm256_mul_ps(d, s8f(o + f.sc + 16 * (2 * j + hh) + 8 * h));
+  }
+}
+
+// sum over code rows [I0, I0 + 4) of (unsigned a) x (signed b) per lane, exactly
+template <bool MIN, int I0>
+inline __m256i dot4(const uint8_t* u, const __m256i* q) {
+  const int32_t* up = reinterpret_cast<const int32_t*>(u);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s = _mm256_setzero_si256();
+  for (int i = I0; i < I0 + 4; ++i) {
+    const __m256i x = _mm256_set1_epi32(up[i]);
+    const __m256i pairs = MIN ? _mm256_maddubs_epi16(q[i], x) : _mm256_maddubs_epi16(x, q[i]);
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(pairs, ones));
+  }
+  return s;
+}
+
+template <bool MIN, int P, int I0>
+inline __m256 half_sum(const uint8_t* u, int64_t K, const __m256i* q, __m256i offset) {
+  __m256i s[P];
+  for (int p = 0; p < P; ++p) {
+    s[p] = dot4<MIN, I0>(u + p * K, q);
+    if constexpr (!MIN) s[p] = _mm256_sub_epi32(s[p], offset);
+  }
+  if constexpr (P == 1) return _mm256_cvtepi32_ps(s[0]);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[0]), _mm256_set1_ps(65536.0f),
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[1]), _mm256_set1_ps(256.0f), _mm256_cvtepi32_ps(s[2])));
+}
+
+template <int ID, int RR, int P>
+void rows_block(const uint8_t* u, const float* scale, const float* sums16, int64_t K, const uint8_t* w, int h,
+                float* y, int64_t ldy, int64_t cols) {
+  constexpr TypeInfo t = type_info(ID);
+  constexpr bool MIN = t.is_min;
+  const int64_t nb = K / QB;
+  __m256 acc[RR];
+  for (int r = 0; r < RR; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t sb = 0; sb < K / t.qk; ++sb) {
+    const uint8_t* o = w + sb * t.layout;
+    for (int j = 0; j < t.qk / QB; ++j) {
+      const int64_t b = sb * (t.qk / QB) + j;
+      __m256i q[8];
+      codes<ID>(o, j, h, q);
+      __m256 D[2], M[2];
+      scales<ID>(o, j, h, D, M);
+      __m256i off[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      if constexpr (!MIN)
+        for (int hh = 0; hh < 2; ++hh) {
+          __m256i c = _mm256_setzero_si256();
+          for (int i = 4 * hh; i < 4 * hh + 4; ++i)
+            c = _mm256_add_epi32(c, _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, q[i]), ones16));
+          off[hh] = _mm256_slli_epi32(c, 7);
+        }
+      for (int r = 0; r < RR; ++r) {
+        const uint8_t* ur = u + P * r * K + b * QB;
+        const __m256 sx = _mm256_set1_ps(scale[r * nb + b]);
+        const __m256 v0 = half_sum<MIN, P, 0>(ur, K, q, off[0]), v1 = half_sum<MIN, P, 4>(ur, K, q, off[1]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(D[0], sx), v0, acc[r]);
+        if constexpr (MIN) acc[r] = _mm256_fmadd_ps(M[0], _mm256_set1_ps(sums16[r * 2 * nb + 2 * b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(D[1], sx), v1, acc[r]);
+        if constexpr (MIN) acc[r] = _mm256_fmadd_ps(M[1], _mm256_set1_ps(sums16[r * 2 * nb + 2 * b + 1]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < RR; ++r) {
+    float out[8];
+    _mm256_storeu_ps(out, acc[r]);
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(8, cols - 8 * h));
+    std::memcpy(y + r * ldy + 8 * h, out, n * sizeof(float));
+  }
+}
+
+constexpr int RB = 4;  // rows per register block (16 registers)
+
+template <int ID, int P>
+void linear(const float* x, int64_t M, int64_t K, const uint8_t* w, const TypeInfo& t, int64_t N, float* y) {
+  const int64_t nb = K / QB, groups = (N + G - 1) / G, per_group = (K / t.qk) * t.layout;
+  std::vector<uint8_t> u(P * M * K);
+  std::vector<float> scale(M * nb), s16(2 * M * nb);
+  prepare_scalar(P, x, M, K, u.data(), scale.data(), s16.data(), !t.is_min);
+  at::parallel_for(0, 2 * groups, 8, [&](int64_t g0, int64_t g1) {
+    for (int64_t gh = g0; gh < g1; ++gh) {
+      const int64_t g = gh / 2, cols = std::min<int64_t>(G, N - g * G);
+      const int h = static_cast<int>(gh % 2);
+      if (8 * h >= cols) continue;
+      int64_t m = 0;
+      for (; m + RB <= M; m += RB)
+        rows_block<ID, RB, P>(u.data() + P * m * K, scale.data() + m * nb, s16.data() + 2 * m * nb, K,
+                              w + g * per_group, h, y + m * N + g * G, N, cols);
+      const uint8_t* um = u.data() + P * m * K;
+      const float *sm = scale.data() + m * nb, *hm = s16.data() + 2 * m * nb;
+      float* ym = y + m * N + g * G;
+      switch (M - m) {
+        case 3: rows_block<ID, 3, P>(um, sm, hm, K, w + g * per_group, h, ym, N, cols); break;
+        case 2: rows_block<ID, 2, P>(um, sm, hm, K, w + g * per_group, h, ym, N, cols); break;
+        case 1: rows_block<ID, 1, P>(um, sm, hm, K, w + g * per_group, h, ym, N, cols); break;
+        default: break;
+      }
+    }
+  });
+}
+
+template <int P>
+void dispatch(const float* x, int64_t M, int64_t K, const uint8_t* w, const TypeInfo& t, int64_t N, float* y) {
+  switch (t.id) {
+    case 2: return linear<2, P>(x, M, K, w, t, N, y);
+    case 6: return linear<6, P>(x, M, K, w, t, N, y);
+    case 7: return linear<7, P>(x, M, K, w, t, N, y);
+    case 10: return linear<10, P>(x, M, K, w, t, N, y);
+    case 11: return linear<11, P>(x, M, K, w, t, N, y);
+    case 12: return linear<12, P>(x, M, K, w, t, N, y);
+    case 13: return linear<13, P>(x, M, K, w, t, N, y);
+    case 14: return linear<14, P>(x, M, K, w, t, N, y);
+    default: TORCH_CHECK(false, "integer kernel: unknown block type");
+  }
+}
+
+}  // namespace avx2
+#endif  // AVX2
+
 // ---------------------------------------------------------------------------------------------
 // The portable float32 kernel: per block of 32 inputs, the 16 columns' codes widened lane by lane
 // from the same rows (lanes are columns), each weight D q + M (or D (q - o)) in float32.
@@ -819,7 +1064,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* w, const TypeIn
 
 }  // namespace portable
 
-bool vnni_on = true;  // the int8 kernel where built (``set_kq_int8``: off to measure the portable one)
+bool integer_on = true;  // the integer kernel where built (``set_kq_int8``: off to measure the portable one)
 
 // float32 rows [n, d] of a GGUF tensor (raw blocks or float values) for token ids
 at::Tensor gguf_rows(const at::Tensor& src, const at::Tensor& ids) {
@@ -838,7 +1083,7 @@ at::Tensor gguf_rows(const at::Tensor& src, const at::Tensor& ids) {
   return out;
 }
 
-void set_kq_int8(bool on) { vnni_on = on; }
+void set_kq_int8(bool on) { integer_on = on; }
 
 }  // namespace
 
@@ -855,11 +1100,19 @@ void kq_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, i
   const TypeInfo& t = *type_by_layout(w.size(2));
   const uint8_t* wp = reinterpret_cast<const uint8_t*>(w.data_ptr<int8_t>());
 #if defined(JAKIRO_KQ_VNNI)
-  if (vnni_on) {
+  if (integer_on) {
     if (input_bytes == 1)
       vnni::dispatch<1>(x, M, K, wp, t, N, y);
     else
       vnni::dispatch<3>(x, M, K, wp, t, N, y);
+    return;
+  }
+#elif defined(JAKIRO_KQ_AVX2)
+  if (integer_on) {
+    if (input_bytes == 1)
+      avx2::dispatch<1>(x, M, K, wp, t, N, y);
+    else
+      avx2::dispatch<3>(x, M, K, wp, t, N, y);
     return;
   }
 #endif
