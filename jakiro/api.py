@@ -34,6 +34,8 @@ def check_method_options(method: str, budget: "TreeBudget | None", tree: str | N
         raise JakiroError(f"unknown method {method!r} (choose from {', '.join(METHODS)})")
     if method in ("ar", "pld") and (budget is not None or tree is not None):
         raise JakiroError("--depth/--tree-top-k/--total-tokens/--tree apply to eagle2 and jakiro drafts")
+    if method.startswith("draft-model") and tree is not None:
+        raise JakiroError("a draft model drafts a chain: --tree does not apply (--depth sets its longest chain)")
     if tree is not None and budget is not None:
         raise JakiroError("a static --tree fixes the tree: drop --depth/--tree-top-k/--total-tokens")
 
@@ -49,13 +51,15 @@ class Jakiro:
     def add_method(self, method: str, draft: str | None = None, budget: TreeBudget | None = None,
                    candidate_mode: str | None = None, parallel_decoding: bool | None = None,
                    pld_tokens: int = 6, cache_dir: str | None = None, adaptive: bool = True,
-                   tree: str | None = None, prompt_vocab: bool = True) -> Engine:
+                   tree: str | None = None, prompt_vocab: bool = True, draft_model: str | None = None) -> Engine:
         """Set up ``method``. Without an explicit ``budget`` a draft uses the tree saved by
         ``jakiro tune`` for it, else the default tree. With ``adaptive`` (the default, for drafts
         without an explicit budget or static tree: the user's tree wins) each cycle drafts only
         what pays on this machine (``decoding.adaptive``). ``tree``: ``static:NAME|PATH``, a
         static (EAGLE-1) tree instead of the dynamic one. ``prompt_vocab`` (default on): a draft
-        also scores the tokens of each request's prompt that its vocabulary lacks."""
+        also scores the tokens of each request's prompt that its vocabulary lacks. ``draft_model``
+        (method ``draft-model``): a named model, GGUF file or folder sharing the target's tokenizer
+        (default: the named target's own, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)."""
         check_method_options(method, budget, tree)
         static = None
         if tree is not None:
@@ -67,6 +71,9 @@ class Jakiro:
         tuned = source = None  # the tree chosen for this machine, and where it came from
         if method == "ar":
             proposer = Proposer()
+        elif method == "draft-model":
+            proposer = self._draft_model_proposer(draft_model, budget, cache_dir,
+                                                  PromptLookupProposer(num_tokens=pld_tokens) if lookup else None)
         elif method == "pld":
             proposer = PromptLookupProposer(num_tokens=pld_tokens)
             if adaptive:  # verify only as much of the chain as pays on this machine
@@ -108,6 +115,26 @@ class Jakiro:
         self.engines[name] = engine
         return engine
 
+    def _draft_model_proposer(self, draft_model: str | None, budget: TreeBudget | None, cache_dir: str | None,
+                              lookup: PromptLookupProposer | None):
+        from .decoding.draft_model import DraftModelProposer, check_same_tokenizer
+        from .models import registry, smallgemm
+        from .models.hub import resolve_target
+        from .models.target import TargetModel
+        if draft_model is None:
+            draft_model = registry.default_draft_for(self.target_path)
+            if draft_model is None:
+                raise JakiroError("method draft-model needs a draft model: pass --draft-model NAME|PATH "
+                                  "(a smaller model of the target's family)")
+        path = resolve_target(draft_model, cache_dir)
+        from .models.gguf_file import is_gguf_folder
+        # a draft's proposals need not be exact: int8 inputs where the file and the CPU allow them
+        int8 = is_gguf_folder(path) and smallgemm.available() and smallgemm.int8_activations_usable()
+        model = TargetModel.from_folder(path, int8_activations=int8)
+        check_same_tokenizer(self.tokenizer, load_tokenizer(path), self.target.config.vocab_size,
+                             model.config.vocab_size, os.path.basename(path))
+        return DraftModelProposer(model, num_tokens=budget.depth if budget else 5, lookup=lookup)
+
     def engine(self, method: str | None = None) -> Engine:
         method = method or self.default_method
         if method not in self.engines:
@@ -147,7 +174,7 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
          candidate_mode: str | None = None, parallel_decoding: bool | None = None,
          cache_dir: str | None = None, adaptive: bool = True, tree: str | None = None,
          quantized: bool | None = None, prompt_vocab: bool = True,
-         int8_activations: bool | None = None) -> Jakiro:
+         int8_activations: bool | None = None, draft_model: str | None = None) -> Jakiro:
     """Load a target (default: SmolLM2-135M-Instruct) and set up ``method`` (default: the draft's
     method when a draft is given, else plain decoding). ``adaptive=False`` keeps the draft's
     fixed tree every cycle; ``tree="static:eagle1"`` (a preset or a JSON file of paths) drafts a
@@ -155,7 +182,8 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     file streams its quantized blocks in decoding steps and trees (``models.quant``);
     ``int8_activations`` (default: off unless ``JAKIRO_INT8_ACTIVATIONS=1``): they take their inputs
     as int8, as llama.cpp does (faster; the target's text is then that computation's).
-    ``prompt_vocab=False``: a draft scores only its own vocabulary, not also the prompt's tokens."""
+    ``prompt_vocab=False``: a draft scores only its own vocabulary, not also the prompt's tokens.
+    ``draft_model``: the small model of ``method="draft-model"`` (see ``Jakiro.add_method``)."""
     from .models.hub import resolve_target
     from .models.target import TargetModel
 
@@ -169,6 +197,6 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     model = TargetModel.from_folder(path, quantized=quantized, int8_activations=int8_activations)
     jk = Jakiro(model, load_tokenizer(path), path)
     jk.add_method(method, draft, budget, candidate_mode, parallel_decoding,
-                  cache_dir=cache_dir, adaptive=adaptive, tree=tree, prompt_vocab=prompt_vocab)
+                  cache_dir=cache_dir, adaptive=adaptive, tree=tree, prompt_vocab=prompt_vocab, draft_model=draft_model)
     jk.default_method = method
     return jk

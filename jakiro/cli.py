@@ -71,6 +71,9 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", help="draft checkpoint folder (default: the shipped draft for the method)")
+    p.add_argument("--draft-model", help="method draft-model: the small model that drafts, a named model, .gguf file "
+                   "or folder sharing the target's tokenizer (default: the named target's own, e.g. "
+                   "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
     p.add_argument("--depth", type=int, help="draft tree depth")
     p.add_argument("--tree-top-k", dest="tree_top_k", type=int,
                    help="children expanded per draft node (--top-k is the sampling filter)")
@@ -196,11 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
     _add_target_args(b)
     b.add_argument("--questions", required=True, help="question JSONL path, 'mt-bench' or 'humaneval' (from the installed packages)")
-    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,eagle2+pld,jakiro+pld,jakiro-blended,"
+    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,eagle2+pld,jakiro+pld,"
+                   "draft-model,draft-model+pld,llamacpp,llamacpp-pld (llama.cpp's server, built by "
+                   "scripts/build_llama_cpp.sh),jakiro-blended,"
                    "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static,jakiro-serial (-fixed: the draft's fixed "
                    "tree every cycle; -static: the --static-tree; -serial: a real last draft step instead of the "
                    "contrastive branch)")
     b.add_argument("--static-tree", default="static:cpu", help="tree of the -static methods (static:NAME|PATH)")
+    b.add_argument("--draft-model", help="the small model of the draft-model methods (default: the named target's own)")
     b.add_argument("--draft", action="append", default=[], metavar="PATH",
                    help="draft folder, used for its own method (repeatable); METHOD=PATH picks the method, "
                         "e.g. jakiro-blended=runs/x")
@@ -273,7 +279,7 @@ def cmd_generate(args) -> int:
         raise JakiroError(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
     jk = load(args.target, args.draft, args.method, args.depth, args.tree_top_k, args.total_tokens,
               args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
-              args.tree, prompt_vocab=not args.no_prompt_vocab)
+              args.tree, prompt_vocab=not args.no_prompt_vocab, draft_model=args.draft_model)
     engine = jk.engine()
     stream_out = not args.json
     if args.compare and engine.method != "ar":
@@ -355,7 +361,7 @@ def _load_for_session(args):
         method = "jakiro" if args.target is None and shipped_draft("jakiro") else "ar"
     return load(args.target, args.draft, method, args.depth, args.tree_top_k, args.total_tokens,
                 args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
-                args.tree, prompt_vocab=not args.no_prompt_vocab)
+                args.tree, prompt_vocab=not args.no_prompt_vocab, draft_model=args.draft_model)
 
 
 def cmd_serve(args) -> int:
@@ -453,7 +459,7 @@ def cmd_bench(args) -> int:
     cfg = BenchConfig(args.questions, [m.strip() for m in args.methods.split(",") if m.strip()], drafts,
                       args.temperature, args.max_new_tokens, args.limit_per_category, args.out,
                       args.target, args.cache_dir, args.depth, args.tree_top_k, args.total_tokens, args.seed,
-                      static_tree=args.static_tree, repeats=args.repeats)
+                      static_tree=args.static_tree, repeats=args.repeats, draft_model=args.draft_model)
     from .bench.runner import markdown_table
     summary = run_bench(cfg)
     print(markdown_table(summary))

@@ -189,6 +189,22 @@ def test_cost_aware_drafting_sampling_matches_plain(tiny_small_vocab, params):
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
+@pytest.mark.parametrize("params", list(PARAM_SETS))
+def test_draft_model_sampling_matches_plain(tiny_small_vocab, tmp_path, params):
+    """A draft model's chains drawn from its own processed distribution (accepted with
+    min(1, p / q)), with prompt lookup merged in: the target's distribution."""
+    from jakiro.decoding.draft_model import DraftModelProposer
+    from jakiro.decoding.proposers import PromptLookupProposer
+    target, tok, prompt = tiny_small_vocab
+    kw = PARAM_SETS[params]
+    draft = TargetModel.from_folder(make_tiny_target(str(tmp_path), "llama", vocab_size=V, eos_token_id=None,
+                                                     std=0.12, seed=3))
+    proposer = DraftModelProposer(draft, num_tokens=3, min_prob=0.0, lookup=PromptLookupProposer(num_tokens=2))
+    engine = Engine(target, tok, proposer)
+    samples = sample_three(engine, prompt, kw, N_SAMPLES)
+    check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
+
+
 def test_static_tree_sampling_matches_plain(tiny_small_vocab):
     from jakiro.decoding.static_tree import StaticTree, validate_paths
     target, tok, prompt = tiny_small_vocab

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -62,6 +63,9 @@ class LlamaServer:
                 self.close()
                 raise JakiroError(f"llama-server did not come up in {timeout:.0f} s")
             time.sleep(0.2)
+        # stopped between requests: its idle threads poll for work, which would take CPU from
+        # whatever is timed meanwhile (its own polling while it works stays as llama.cpp sets it)
+        self.process.send_signal(signal.SIGSTOP)
 
     def complete(self, ids: list[int], max_new_tokens: int, temperature: float, seed: int) -> dict:
         """Generate after the prompt ``ids`` (no prompt cache: every request prefills anew).
@@ -72,10 +76,14 @@ class LlamaServer:
                 "repeat_penalty": 1.0}
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(request, timeout=3600) as r:
-            out = json.load(r)
-        total = time.perf_counter() - t0
+        self.process.send_signal(signal.SIGCONT)
+        try:
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(request, timeout=3600) as r:
+                out = json.load(r)
+            total = time.perf_counter() - t0
+        finally:
+            self.process.send_signal(signal.SIGSTOP)
         timings = out.get("timings", {})
         return {"token_ids": out.get("tokens", []), "decode_s": timings.get("predicted_ms", 0.0) / 1e3,
                 "prefill_s": timings.get("prompt_ms", 0.0) / 1e3, "total_s": total,
@@ -83,6 +91,7 @@ class LlamaServer:
 
     def close(self) -> None:
         if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)
             self.process.terminate()
             try:
                 self.process.wait(10)

@@ -48,6 +48,7 @@ class BenchConfig:
     warmup: int = 1
     static_tree: str = "static:cpu"  # the tree of the -static methods
     repeats: int = 1  # answers per method and turn, interleaved; the fastest is kept (the same tokens each time)
+    draft_model: str | None = None  # the small model of the draft-model methods (default: the target's own)
 
 
 def select_questions(questions: list[dict], limit: int | None) -> list[dict]:
@@ -129,7 +130,7 @@ class _Answerer:
             draft = cfg.drafts.get(m) or cfg.drafts.get(method.removesuffix("+pld"))
             # the tree options are the drafts' (the baselines run beside them as they are)
             self.engines[m] = jk.add_method(method, draft, budget if method not in ("ar", "pld") else None,
-                                            cache_dir=cfg.cache_dir, **options)
+                                            cache_dir=cfg.cache_dir, draft_model=cfg.draft_model, **options)
         self.hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
         self.llama = {}
         for m in cfg.methods:
@@ -158,7 +159,7 @@ class _Answerer:
             return {"text": text, "token_ids": toks, "new_tokens": len(toks), "total_s": secs}
         if m in LLAMACPP_METHODS:  # its own timings: the prompt's and the answer's, without the HTTP round trip
             out = self.llama[m].complete(ids, cfg.max_new_tokens, cfg.temperature, seed)
-            toks = [t for t in out["token_ids"] if t not in ar.eos_ids]
+            toks = out["token_ids"]  # as ours: the EOS that ended the answer included
             return {"text": self.jk.tokenizer.decode(toks, skip_special_tokens=True), "token_ids": toks,
                     "new_tokens": len(out["token_ids"]), "prefill_s": out["prefill_s"],
                     "total_s": out["prefill_s"] + out["decode_s"],
@@ -277,6 +278,8 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
         settings["int8_activations"] = True
     if cfg.repeats == 1:  # likewise
         del settings["repeats"]
+    if cfg.draft_model is None:  # likewise
+        del settings["draft_model"]
     settings = json.loads(json.dumps(settings))  # as it reads back from run.json
     run_path = os.path.join(cfg.out, RUN)
     records: dict[str, list[dict]] = {m: [] for m in cfg.methods}

@@ -37,6 +37,7 @@ class NamedModel:
     size: int
     parts: tuple[Part, ...]
     license: str
+    draft_model: str | None = None  # the named model that drafts for this one by default (draft-model)
 
 
 def _parts(package: str, version: str, folder: str, hashes: list[str]) -> tuple[Part, ...]:
@@ -76,7 +77,8 @@ MODELS: dict[str, NamedModel] = {m.name: m for m in (
             "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
             "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
             "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
-            "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a"]), "Apache-2.0"),
+            "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a"]), "Apache-2.0",
+        draft_model="qwen2.5-coder-0.5b"),
     NamedModel(
         "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (Q5_0, Q8_0, Q4_K and Q6_K blocks)",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
@@ -110,6 +112,15 @@ def local_path(model: NamedModel, cache: str | None = None) -> str | None:
             return None
     path = os.path.join(models_dir(cache), model.file)
     return path if os.path.exists(path) else None
+
+
+def default_draft_for(target_folder: str) -> str | None:
+    """The named draft model of a target folder whose GGUF file is a named model's, if any."""
+    from .gguf_file import is_gguf_folder, source_file
+    if not is_gguf_folder(target_folder):
+        return None
+    file = os.path.basename(source_file(target_folder))
+    return next((m.draft_model for m in MODELS.values() if m.file == file and m.draft_model), None)
 
 
 def resolve(name: str, cache: str | None = None) -> str:
