@@ -63,10 +63,15 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                               "same weights, four to eight times the bytes; also JAKIRO_QUANTIZED=0)")
     weights.add_argument("--quantized", action="store_true",
                          help="run a GGUF target from its own blocks (the default)")
-    p.add_argument("--int8-activations", action="store_true",
-                   help="the GGUF blocks take their inputs as int8, as llama.cpp does: every forward is "
-                        "cheaper, an extra tree token about half as dear; greedy text no longer matches the "
-                        "float32 weights token for token (all methods share it; also JAKIRO_INT8_ACTIVATIONS=1)")
+    inputs = p.add_mutually_exclusive_group()
+    inputs.add_argument("--int8-activations", action="store_true",
+                        help="the GGUF blocks take their inputs as int8, as llama.cpp does (the default where the "
+                             "CPU has AVX-512 VNNI or AMX): every forward cheaper, a tree's extra tokens much "
+                             "cheaper; greedy text is that computation's (every method shares it; also "
+                             "JAKIRO_INT8_ACTIVATIONS=1)")
+    inputs.add_argument("--float32-inputs", action="store_true",
+                        help="the GGUF blocks take float32-accurate inputs: logits within float32 rounding of the "
+                             "float32 weights' (Hugging Face's), forwards slower (also JAKIRO_INT8_ACTIVATIONS=0)")
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -263,6 +268,8 @@ def _setup_threads(args) -> None:
         os.environ["JAKIRO_QUANTIZED"] = "0"
     if getattr(args, "int8_activations", False):
         os.environ["JAKIRO_INT8_ACTIVATIONS"] = "1"
+    if getattr(args, "float32_inputs", False):
+        os.environ["JAKIRO_INT8_ACTIVATIONS"] = "0"
     if getattr(args, "threads", None) is not None:
         if args.threads < 1:
             raise JakiroError(f"--threads must be >= 1, got {args.threads}")
@@ -290,7 +297,8 @@ def cmd_generate(args) -> int:
     result = engine.generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw,
                              on_text=(lambda t: print(t, end="", flush=True)) if stream_out else None)
     out = {"method": result.method, "text": result.text, "token_ids": result.token_ids,
-           "finish_reason": result.finish_reason, **result.metrics.as_dict()}
+           "finish_reason": result.finish_reason, "int8_activations": jk.target.int8_activations,
+           **result.metrics.as_dict()}
     drafter = getattr(engine.proposer, "inner", engine.proposer)  # the draft inside cost-aware drafting
     if hasattr(drafter, "budget"):
         b = drafter.budget
@@ -333,22 +341,7 @@ def cmd_generate(args) -> int:
             line = (f"\n\n[{result.method}] {m.new_tokens} tokens in {m.total_s:.2f} s: "
                     f"{m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f} ({m.target_forwards} target forwards{plain})")
         print(line)
-        hint = int8_hint(jk.target) if args.compare else None
-        if hint:
-            print(hint, file=sys.stderr)
     return 0
-
-
-def int8_hint(target) -> str | None:
-    """A line for a speed comparison on a CPU that could run the target with int8 activations
-    and does not (they make every forward, and a tree's extra tokens most, cheaper)."""
-    from .models import smallgemm
-    if getattr(target, "int8_activations", True) or not getattr(target, "quantized_matrices", 0):
-        return None
-    if not (smallgemm.int8_enabled() or smallgemm.tiles_enabled()):
-        return None
-    return ("[jakiro] this CPU can also run the target as llama.cpp does (--int8-activations): every forward "
-            "is cheaper and a tree's extra tokens about half as dear; the greedy text is then that computation's")
 
 
 def _load_for_session(args):

@@ -7,9 +7,10 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def smol():
-    """The default target (SmolLM2-135M-Instruct) with plain decoding."""
+    """The default target (SmolLM2-135M-Instruct) with plain decoding, float32-accurate inputs
+    (what Hugging Face's float32 model of the file computes, within rounding)."""
     import jakiro
-    return jakiro.load()
+    return jakiro.load(int8_activations=False)
 
 
 @pytest.fixture(scope="session")

@@ -100,23 +100,27 @@ def test_generate_text_summary_line_counts_forwards_and_plain_steps():
     tokens, tau, forwards = int(found[1]), float(found[2]), int(found[3])
     assert 0 < forwards < tokens <= 16 and tau == pytest.approx((tokens - 1) / forwards, abs=0.006)
     assert found[4] is None or 0 < int(found[4]) <= forwards
-    from jakiro.models import smallgemm  # the hint on faster forwards, where this CPU has them
-    assert ("--int8-activations" in res.stderr) == (smallgemm.int8_enabled() or smallgemm.tiles_enabled())
 
 
-def test_the_int8_hint_names_only_what_this_target_and_cpu_can_do(monkeypatch):
-    from types import SimpleNamespace
-
-    from jakiro.cli import int8_hint
-    from jakiro.models import smallgemm
-    monkeypatch.setattr(smallgemm, "int8_enabled", lambda: True)
-    assert "--int8-activations" in int8_hint(SimpleNamespace(int8_activations=False, quantized_matrices=210))
-    assert int8_hint(SimpleNamespace(int8_activations=True, quantized_matrices=210)) is None  # already on
-    assert int8_hint(SimpleNamespace(int8_activations=False, quantized_matrices=0)) is None  # no GGUF blocks
-    monkeypatch.setattr(smallgemm, "int8_enabled", lambda: False)
-    monkeypatch.setattr(smallgemm, "tiles_enabled", lambda: False)
-    assert int8_hint(SimpleNamespace(int8_activations=False, quantized_matrices=210)) is None  # no kernel
-
+def test_inputs_default_to_int8_where_the_cpu_has_the_kernels(monkeypatch):
+    """A GGUF target takes int8 inputs by default where the CPU has AVX-512 VNNI or AMX (as
+    llama.cpp computes these files), float32-accurate ones elsewhere; --float32-inputs and
+    --int8-activations (JAKIRO_INT8_ACTIVATIONS=0 / 1) choose; the JSON says which ran."""
+    from jakiro.models import quant, smallgemm
+    capable = smallgemm.available() and smallgemm.int8_activations_usable()
+    for value, expected in ((None, capable), ("auto", capable), ("0", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv("JAKIRO_INT8_ACTIVATIONS", raising=False)
+        else:
+            monkeypatch.setenv("JAKIRO_INT8_ACTIVATIONS", value)
+        assert quant.int8_activations() is expected, value
+    monkeypatch.delenv("JAKIRO_INT8_ACTIVATIONS", raising=False)
+    for flags, expected in (((), capable), (("--float32-inputs",), False)):
+        res = run_cli("generate", "--prompt", "Hi.", "--max-new-tokens", "4", "--json", "--threads", "1", *flags)
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["int8_activations"] is expected
+    res = run_cli("generate", "--prompt", "Hi.", "--int8-activations", "--float32-inputs")
+    assert res.returncode == 2 and "not allowed with argument" in res.stderr
 
 def test_generate_with_the_draft_vocabulary_alone():
     res = run_cli("generate", "--prompt", "Summarize: Zorblax met Quindle at the Vexmoor fair.", "--method",

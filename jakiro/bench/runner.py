@@ -49,6 +49,7 @@ class BenchConfig:
     static_tree: str = "static:cpu"  # the tree of the -static methods
     repeats: int = 1  # answers per method and turn, interleaved; the fastest is kept (the same tokens each time)
     draft_model: str | None = None  # the small model of the draft-model methods (default: the target's own)
+    int8_activations: bool = False  # the loaded target's input mode (``run_bench`` sets it)
 
 
 def select_questions(questions: list[dict], limit: int | None) -> list[dict]:
@@ -99,9 +100,11 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     if "ar" not in cfg.methods:
         cfg.methods = ["ar"] + list(cfg.methods)  # the speedup baseline
     questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)
+    jk = load(cfg.target, cache_dir=cfg.cache_dir)
+    cfg.int8_activations = jk.target.int8_activations
     os.makedirs(cfg.out, exist_ok=True)
     records, done = _resume(cfg, questions)
-    answerer = _Answerer(cfg, load(cfg.target, cache_dir=cfg.cache_dir))
+    answerer = _Answerer(cfg, jk)
     try:
         for m in cfg.methods:  # warm-up: one short answer per method, not recorded
             for _ in range(cfg.warmup):
@@ -270,11 +273,11 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
     """Answers already in ``cfg.out`` from an interrupted run with the same settings are kept (one
     line per finished question in progress.jsonl); a folder holding another run is refused. The
     number of questions per category may change: a run can be extended to more questions later."""
-    settings = {k: v for k, v in cfg.__dict__.items() if k not in ("out", "limit_per_category")}
+    settings = {k: v for k, v in cfg.__dict__.items() if k not in ("out", "limit_per_category", "int8_activations")}
     settings["threads"] = torch.get_num_threads()
     if quant.enabled():  # (absent otherwise, as in runs recorded before the option existed)
         settings["quantized_weights"] = True
-    if quant.int8_activations():  # likewise
+    if cfg.int8_activations:  # likewise
         settings["int8_activations"] = True
     if cfg.repeats == 1:  # likewise
         del settings["repeats"]
@@ -346,8 +349,8 @@ def _aggregate(turns: list[dict]) -> dict:
 def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
     categories = sorted({r["category"] for r in records["ar"]})
     ar_turns = {(r["question_id"], i): t for r in records["ar"] for i, t in enumerate(r["turns"])}
-    result = {"config": {k: v for k, v in cfg.__dict__.items()}, "threads": torch.get_num_threads(),
-              "quantized_weights": quant.enabled(), "int8_activations": quant.int8_activations(), "methods": {}}
+    result = {"config": {k: v for k, v in cfg.__dict__.items() if k != "int8_activations"}, "threads": torch.get_num_threads(),
+              "quantized_weights": quant.enabled(), "int8_activations": cfg.int8_activations, "methods": {}}
     for m, rows in records.items():
         per_cat = {}
         for cat in categories + ["all"]:

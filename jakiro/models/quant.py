@@ -8,8 +8,9 @@ Every kernel dequantizes in registers to the very values of GGUF's reference deq
 only the order of the additions differs from a float32 model (``--float32`` runs such a copy;
 also ``JAKIRO_QUANTIZED=0``).
 
-Int8 activations (``JAKIRO_INT8_ACTIVATIONS=1`` or ``--int8-activations``; off by default): the
-kernels also take each input row as one byte per block of 32 values, as llama.cpp's Q8
+Int8 activations (the default where the CPU has AVX-512 VNNI or AMX; ``--float32-inputs`` or
+``JAKIRO_INT8_ACTIVATIONS=0`` turn them off, ``--int8-activations`` asks for them): the kernels
+take each input row as one byte per block of 32 values, as llama.cpp's Q8
 activations, and multiply bytes by bytes (``csrc/int8.cpp`` and ``csrc/kquants.cpp`` with
 AVX-512 VNNI, ``csrc/amx.cpp`` with AMX tiles): plain decoding and every tree forward cost less,
 and an extra tree token costs about half as much, for a rounding of each input to 2^-7 of its
@@ -32,9 +33,23 @@ def enabled() -> bool:
     return os.environ.get("JAKIRO_QUANTIZED", "1") not in ("", "0")
 
 
+def int8_activations_setting() -> bool | None:
+    """``JAKIRO_INT8_ACTIVATIONS``: 1 (``--int8-activations``) int8 inputs, 0 (``--float32-inputs``)
+    float32-accurate ones; unset or ``auto``: None, the default (``int8_activations``)."""
+    value = os.environ.get("JAKIRO_INT8_ACTIVATIONS", "auto").strip().lower()
+    return None if value in ("", "auto") else value not in ("0", "false", "no", "off")
+
+
 def int8_activations() -> bool:
-    """Whether targets take their inputs as int8 blocks (``JAKIRO_INT8_ACTIVATIONS=1``; off by default)."""
-    return os.environ.get("JAKIRO_INT8_ACTIVATIONS", "0") not in ("", "0")
+    """Whether a GGUF target takes its inputs as int8 blocks: as set, else (the default) wherever
+    the CPU has the kernels for it (AVX-512 VNNI or AMX), as llama.cpp computes these files:
+    measured on two cores, a 1.5B target's one-token forward 0.69 x the float32-accurate one's and
+    a tree of 8 tokens 1.4 x one token instead of 4 x."""
+    setting = int8_activations_setting()
+    if setting is not None:
+        return setting
+    from . import smallgemm
+    return smallgemm.available() and smallgemm.int8_activations_usable()
 
 
 def pack_blocks(raw: np.ndarray, kind: str, rows: int, cols: int) -> torch.Tensor:

@@ -328,9 +328,10 @@ class TargetModel:
                     quantized: bool | None = None, int8_activations: bool | None = None) -> "TargetModel":
         """A Hugging Face folder (float weights), or a GGUF file's folder (``hub.resolve_target``):
         its blocks are streamed as the file holds them unless ``quantized=False`` (default: on
-        unless ``JAKIRO_QUANTIZED=0``), which runs a float32 copy; ``int8_activations`` (default:
-        off unless ``JAKIRO_INT8_ACTIVATIONS=1``): the blocks take their inputs as int8
-        (``models.quant``); needs a CPU with AVX-512 VNNI or AMX."""
+        unless ``JAKIRO_QUANTIZED=0``), which runs a float32 copy; ``int8_activations``: the blocks
+        take their inputs as int8 (True; needs a CPU with AVX-512 VNNI or AMX) or float32-accurate
+        (False); default: ``JAKIRO_INT8_ACTIVATIONS``, else int8 where the CPU can
+        (``models.quant.int8_activations``)."""
         from . import gguf_file, quant
         from .hub import _log
         if not os.path.isdir(folder):
@@ -349,7 +350,8 @@ class TargetModel:
         if is_gguf and stream_blocks and not smallgemm.available():
             _log("without the small-batch kernel a GGUF file's blocks cannot be streamed: running a float32 copy")
             stream_blocks = False
-        int8 = quant.int8_activations() if int8_activations is None else int8_activations
+        setting = quant.int8_activations_setting() if int8_activations is None else int8_activations
+        int8 = setting if setting is not None else stream_blocks and quant.int8_activations()
         if int8 and not stream_blocks:
             raise JakiroError("int8 activations need a target from a GGUF file, streamed as its blocks "
                               f"({folder} has none here{'' if not is_gguf else ', or a float32 copy is run'})")

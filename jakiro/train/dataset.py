@@ -268,7 +268,10 @@ def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progr
 
     cfg.check()
     device = cfg.torch_device()
-    jk = load(cfg.target, cache_dir=cache_dir)
+    from ..models.quant import int8_activations_setting
+    # a device's decoder stack is float32: int8 inputs only where asked for (then refused below)
+    float32 = _uses_device_stack(device) and int8_activations_setting() is None
+    jk = load(cfg.target, cache_dir=cache_dir, int8_activations=False if float32 else None)
     if getattr(jk.target, "int8_activations", False) and _uses_device_stack(device):
         raise JakiroError(f"--int8-activations is the CPU kernels' computation; --device {device} runs the "
                           f"float32 decoder stack: drop one of them")
