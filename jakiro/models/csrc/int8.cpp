@@ -207,16 +207,7 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t
       acc[r] = _mm512_fmadd_ps(v, _mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), acc[r]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < RR; ++r) {
-    if (cols >= G) {
-      _mm512_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      float out[G];
-      _mm512_storeu_ps(out, acc[r]);
-      std::memcpy(y + r * ldy, out, cols * sizeof(float));
-    }
-  }
+  jakiro::store_columns<RR>(acc, y, ldy, cols);
 }
 
 constexpr int RB = 8;  // rows per register block: 8 accumulators beside the block's 8 weight rows

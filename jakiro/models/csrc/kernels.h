@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace jakiro {
 
@@ -89,5 +92,22 @@ void kq_linear_rows(const float* x, int64_t M, int64_t K, const at::Tensor& w, i
 bool valid_rows(const at::Tensor& src);
 int64_t row_width(const at::Tensor& src);
 void embedding_row(const at::Tensor& src, int64_t r, float* out);
+
+#if defined(__AVX512F__)
+// RR rows of 16 output columns' accumulators into y (row r at y + r ldy), the first `cols` of them
+template <int RR>
+inline void store_columns(const __m512* acc, float* y, int64_t ldy, int64_t cols) {
+#pragma GCC unroll 8
+  for (int r = 0; r < RR; ++r) {
+    if (cols >= 16) {
+      _mm512_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      float out[16];
+      _mm512_storeu_ps(out, acc[r]);
+      std::memcpy(y + r * ldy, out, cols * sizeof(float));
+    }
+  }
+}
+#endif
 
 }  // namespace jakiro

@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -351,6 +352,23 @@ at::Tensor kq_pack(const at::Tensor& raw) {
   return out;
 }
 
+// calls f(std::integral_constant<int, id>) for the block types of the packed layout: one switch for
+// every kernel whose code is a template per type
+template <class F>
+void by_type(int64_t id, F&& f) {
+  switch (id) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    case 10: return f(std::integral_constant<int, 10>{});
+    case 11: return f(std::integral_constant<int, 11>{});
+    case 12: return f(std::integral_constant<int, 12>{});
+    case 13: return f(std::integral_constant<int, 13>{});
+    case 14: return f(std::integral_constant<int, 14>{});
+    default: TORCH_CHECK(false, "integer kernel: unknown block type ", id);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Reading the layout: per type, the super-block's scales and each block of 32 inputs' codes.
 // Codes come as eight 64-byte rows (row i: inputs 4i..4i+3 of 16 columns), unsigned for min
@@ -634,16 +652,7 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums32, const
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < RR; ++r) {
-    if (cols >= G) {
-      _mm512_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      float out[G];
-      _mm512_storeu_ps(out, acc[r]);
-      std::memcpy(y + r * ldy, out, cols * sizeof(float));
-    }
-  }
+  jakiro::store_columns<RR>(acc, y, ldy, cols);
 }
 
 constexpr int RB = 8;
@@ -685,17 +694,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* w, const TypeIn
 
 template <int P>
 void dispatch(const float* x, int64_t M, int64_t K, const uint8_t* w, const TypeInfo& t, int64_t N, float* y) {
-  switch (t.id) {
-    case 2: return linear<2, P>(x, M, K, w, t, N, y);
-    case 6: return linear<6, P>(x, M, K, w, t, N, y);
-    case 7: return linear<7, P>(x, M, K, w, t, N, y);
-    case 10: return linear<10, P>(x, M, K, w, t, N, y);
-    case 11: return linear<11, P>(x, M, K, w, t, N, y);
-    case 12: return linear<12, P>(x, M, K, w, t, N, y);
-    case 13: return linear<13, P>(x, M, K, w, t, N, y);
-    case 14: return linear<14, P>(x, M, K, w, t, N, y);
-    default: TORCH_CHECK(false, "int8 kernel: unknown block type");
-  }
+  by_type(t.id, [&](auto id) { linear<decltype(id)::value, P>(x, M, K, w, t, N, y); });
 }
 
 }  // namespace vnni
@@ -922,17 +921,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint8_t* w, const TypeIn
 
 template <int P>
 void dispatch(const float* x, int64_t M, int64_t K, const uint8_t* w, const TypeInfo& t, int64_t N, float* y) {
-  switch (t.id) {
-    case 2: return linear<2, P>(x, M, K, w, t, N, y);
-    case 6: return linear<6, P>(x, M, K, w, t, N, y);
-    case 7: return linear<7, P>(x, M, K, w, t, N, y);
-    case 10: return linear<10, P>(x, M, K, w, t, N, y);
-    case 11: return linear<11, P>(x, M, K, w, t, N, y);
-    case 12: return linear<12, P>(x, M, K, w, t, N, y);
-    case 13: return linear<13, P>(x, M, K, w, t, N, y);
-    case 14: return linear<14, P>(x, M, K, w, t, N, y);
-    default: TORCH_CHECK(false, "integer kernel: unknown block type");
-  }
+  by_type(t.id, [&](auto id) { linear<decltype(id)::value, P>(x, M, K, w, t, N, y); });
 }
 
 }  // namespace avx2
