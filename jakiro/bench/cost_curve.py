@@ -44,6 +44,20 @@ def memory_floor_ms(nbytes: int, repeats: int) -> float:
     return median_ms(lambda: buf.sum(), repeats)
 
 
+@torch.inference_mode()
+def floor_and_forward_ms(target, nbytes: int, context: int, repeats: int) -> tuple[float, float]:
+    """The memory floor and a one-token forward (after ``context`` tokens) timed in the same
+    rounds, one after the other: on a shared machine whose memory bandwidth moves by a third from
+    one minute to the next, their ratio is only meaningful measured together."""
+    from ..decoding.costs import PRIMING_CALLS, interleaved_ms
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    cache = prefilled_cache(target, context, 1)
+    token = torch.tensor([7])
+    times = interleaved_ms({"floor": lambda: buf.sum(), "forward": lambda: target(token, cache)}, repeats,
+                           primed=PRIMING_CALLS)
+    return times["floor"], times["forward"]
+
+
 def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> dict:
     """For the shipped ``method`` draft: one draft step over ``nodes`` frontier nodes (the draft
     forward, its head and the top-k of the default tree), repeated on its own and each time right
@@ -178,6 +192,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
     cached = kv_bytes(jk.target, context)
     floor_kv = memory_floor_ms(nbytes + cached, repeats)
     costs = forward_costs(jk.target, context, repeats)
+    paired_floor, paired_t1 = floor_and_forward_ms(jk.target, nbytes, context, repeats)
     drafts = {m: draft_costs(jk, m, context, repeats) for m in ("eagle2", "jakiro")
               if target_path is None and shipped_draft(m)}
     if smallgemm.int8_enabled():  # the same draft steps with the float32 kernel, side by side
@@ -241,6 +256,9 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         "memory_floor_ms": round(floor, 2),
         "forward_ms": {str(n): round(ms, 2) for n, ms in costs.items()},
         "forward_x_floor": {str(n): round(ms / floor, 2) for n, ms in costs.items()},
+        # the one-token forward and the floor in the same rounds (the ratio to trust on a shared machine)
+        "paired": {"memory_floor_ms": round(paired_floor, 2), "forward_1_ms": round(paired_t1, 2),
+                   "forward_1_x_floor": round(paired_t1 / paired_floor, 3)},
         "kv_cache_mb": round(cached / 1e6, 1),
         "memory_floor_with_kv_ms": round(floor_kv, 2),
         "t1_x_floor_with_kv": round(costs[1] / floor_kv, 2),
