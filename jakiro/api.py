@@ -180,8 +180,9 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     fixed tree every cycle; ``tree="static:eagle1"`` (a preset or a JSON file of paths) drafts a
     static tree. ``quantized`` (default: on unless ``JAKIRO_QUANTIZED=0``): a target converted from a GGUF
     file streams its quantized blocks in decoding steps and trees (``models.quant``);
-    ``int8_activations`` (default: off unless ``JAKIRO_INT8_ACTIVATIONS=1``): they take their inputs
-    as int8, as llama.cpp does (faster; the target's text is then that computation's).
+    ``int8_activations`` (default: ``JAKIRO_INT8_ACTIVATIONS``, else on where the CPU has AVX-512 VNNI
+    or AMX): they take their inputs as int8, as llama.cpp does (faster; the target's text is then
+    that computation's); False keeps float32-accurate inputs.
     ``prompt_vocab=False``: a draft scores only its own vocabulary, not also the prompt's tokens.
     ``draft_model``: the small model of ``method="draft-model"`` (see ``Jakiro.add_method``)."""
     from .models.hub import resolve_target
