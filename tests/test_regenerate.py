@@ -138,6 +138,7 @@ def test_regenerated_answers_equal_plain_greedy_answers(smol, feed):
     assert stats.answers == 5 and stats.generated_tokens == sum(r["generated_tokens"] for r in records)
 
 
+@pytest.mark.slow
 def test_device_stack_regenerates_what_the_cpu_kernels_do(smol):
     """The plain-torch stack a GPU regenerates with (``DeviceTarget``, here on the CPU), feeding
     the prompts through the batch as on a GPU, gives the kernels' greedy answers (prompts
@@ -168,6 +169,7 @@ def _training_ids(jk, messages):
     return tokenize_conversation(jk.tokenizer, messages, 160)
 
 
+@pytest.mark.slow
 def test_device_stack_samples_reproducibly(smol):
     from jakiro.models.device_target import DeviceTarget
     target = DeviceTarget(smol.target_path, "cpu")
@@ -182,6 +184,7 @@ def test_device_stack_samples_reproducibly(smol):
     assert all(r["mode"] == "sample" for r in records)
 
 
+@pytest.mark.slow
 def test_data_on_the_device_stack_resumes_and_builds_features(tmp_path, monkeypatch):
     """``jakiro data`` with a device (here the plain-torch path forced onto the CPU): it
     regenerates with ``DeviceTarget``, computes features with ``FeatureModel``, equal to the
@@ -217,6 +220,7 @@ def test_data_on_the_device_stack_resumes_and_builds_features(tmp_path, monkeypa
     assert not [n for n in os.listdir(tmp_path / "tok") if n.startswith(FEATURES_PREFIX)]
 
 
+@pytest.mark.slow
 def test_the_target_writes_its_own_prompts_and_answers_them(smol, tmp_path):
     """``--source target-prompts``: each user turn is sampled from the chat template's user header
     alone, then answered as any other (greedy: the plain greedy answer to that prompt); a resumed
@@ -243,6 +247,7 @@ def test_the_target_writes_its_own_prompts_and_answers_them(smol, tmp_path):
     assert sum(r["generated_tokens"] for r in runs) == sum(r["generated_tokens"] for r in records)
 
 
+@pytest.mark.slow
 def test_prompts_the_filter_refuses_never_enter_and_an_endless_refusal_stops(smol, tmp_path, monkeypatch):
     from jakiro.data.decontaminate import PromptFilter
     from jakiro.train.dataset import DataConfig, build_dataset
@@ -608,3 +613,28 @@ def test_task_source_reads_the_installed_sharegpt_package():
             break
     assert len(first) == 8 and len(set(first)) == 8
     assert PromptFilter(evaluation_prompts()).admit([{"role": "user", "content": first[0]}])
+
+
+def test_code_source_keeps_sharegpts_conversations_about_code():
+    """``sharegpt-code``: the ShareGPT conversations whose first user turn holds code or asks
+    about it, at their positions in the whole file (other records are None), so resuming counts
+    the same records."""
+    from itertools import islice
+
+    from jakiro.data.conversations import is_about_code, iter_conversations
+
+    def user(text):
+        return [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]
+
+    for text in ("Write a Python function that reverses a list.", "Why does this fail?\n```\nx = [1, 2\n```",
+                 "SELECT name FROM users WHERE id = 3 returns nothing", "How do I undo a git commit?",
+                 "int main() {"):
+        assert is_about_code(user(text)), text
+    for text in ("Write a short poem about the sea.", "What is the capital of France?",
+                 "Give me three ideas for a birthday party."):
+        assert not is_about_code(user(text)), text
+    whole = list(islice(iter_conversations("sharegpt"), 300))
+    code = list(islice(iter_conversations("sharegpt-code"), 300))
+    assert [c is not None for c in code] == [w is not None and is_about_code(w) for w in whole]
+    assert [c for c in code if c] == [w for w in whole if w and is_about_code(w)]
+    assert 30 <= sum(c is not None for c in code) <= 200  # a part of the file, not all or nothing

@@ -7,11 +7,13 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 from typing import Iterator
 
 from ..errors import JakiroError
 
 TASKS_SOURCE = "sharegpt-tasks"
+CODE_SOURCE = "sharegpt-code"  # ShareGPT's conversations about code (``is_about_code``)
 # conversations whose user turn the target writes itself, sampled from its chat template's user
 # header alone (as Magpie does), then answers: an unbounded source of prompts in its own
 # distribution (``data.regenerate``)
@@ -34,6 +36,26 @@ def task_passage(source: str) -> int | None:
             and 2 <= int(source[len(prefix):]) <= MAX_PASSAGE:
         return int(source[len(prefix):])
     return None
+
+
+# a fenced block, a line ending like code, a keyword followed by code, or a language, tool or
+# programming word by name
+_CODE = re.compile(
+    r"```|[;{}]\s*$|^\s*(def|class|import|from|return|function|const|let|var|public|private|#include)\b"
+    r"|\b(SELECT|INSERT|UPDATE)\b.*\b(FROM|INTO|SET)\b"
+    r"|\b(python|javascript|typescript|java|c\+\+|c#|golang|rust|kotlin|swift|php|ruby|sql|html|css|react|"
+    r"node\.?js|django|flask|pandas|numpy|bash|shell script|regex|json|api|code|coding|function|script|"
+    r"program|programming|algorithm|debug|bug|compile|compiler|stack trace|exception|git|docker|"
+    r"kubernetes|dataframe|class|method|variable|array|database)\b", re.I | re.M)
+
+
+def is_about_code(messages: list[dict]) -> bool:
+    """Whether a conversation's first user turn asks about code: it holds code, or names a
+    language, a tool or a programming task (``sharegpt-code``)."""
+    first = next((m["content"] for m in messages if m["role"] == "user"), "")
+    return bool(_CODE.search(first))
+
+
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
             "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
 
@@ -102,9 +124,11 @@ def iter_conversations(source: str, skipped: list[int] | None = None) -> Iterato
     that positions in the source stay countable for resuming). A malformed line of a JSONL source
     stops with its line number, or, given a ``skipped`` list, is skipped (None) and its line
     number appended there."""
-    if source == "sharegpt":
+    if source in ("sharegpt", CODE_SOURCE):
         for obj in iter_json_array(sharegpt_path()):
-            yield normalise(obj)
+            messages = normalise(obj)
+            # another record is skipped (None), so that positions stay those of the whole file
+            yield messages if source == "sharegpt" or (messages and is_about_code(messages)) else None
         return
     if source == TARGET_PROMPTS_SOURCE:  # as many as asked for: a user turn to write, then its answer
         while True:

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field, fields
 
 from ..errors import JakiroError
-from ..data.conversations import TARGET_PROMPTS_SOURCE, prompts_only
+from ..data.conversations import CODE_SOURCE, TARGET_PROMPTS_SOURCE, prompts_only
 
 STEP_DECAY = 0.8
 P_WEIGHT = 0.1  # w_p: cross-entropy weight next to the feature regression
@@ -39,7 +39,8 @@ def _opt(default, help: str, **cli):
 @dataclass
 class DataConfig:
     target: str | None
-    source: str = _opt("sharegpt", "'sharegpt' (the installed package), 'sharegpt-tasks' (summarise / answer "
+    source: str = _opt("sharegpt", "'sharegpt' (the installed package), '" + CODE_SOURCE + "' (its conversations "
+                                   "whose first user turn is about code), 'sharegpt-tasks' (summarise / answer "
                                    "from a passage / extract / rewrite / translate prompts built from ShareGPT's "
                                    "texts; needs --regenerate; 'sharegpt-tasks-2' .. '-5' work on each "
                                    "conversation's 2nd .. 5th passage), '" + TARGET_PROMPTS_SOURCE + "' (the target "
@@ -97,7 +98,7 @@ class DataConfig:
         if self.first_record and self.regenerate != "none":
             raise JakiroError("--first-record applies to a source read as it is; with --regenerate, "
                               "--max-records already continues the regenerated file")
-        if self.source != "sharegpt" and not prompts_only(self.source) and not os.path.isfile(self.source):
+        if self.source not in ("sharegpt", CODE_SOURCE) and not prompts_only(self.source) and not os.path.isfile(self.source):
             raise JakiroError(f"dataset not found: {self.source}")
 
     def torch_device(self):
