@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the user message (with --raw: the text to continue)")
     g.add_argument("--method", choices=METHODS,
                    help="decoding method; +pld adds prompt-lookup branches to the draft's tree")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -136,13 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     sv.add_argument("--model-name", help="model id served to clients (default: the target's name)")
     sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get HTTP 429")
     sv.add_argument("--default-max-tokens", type=int, default=256,
                     help="completion length when a request gives no max_tokens")
-    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                    help="server log verbosity")
     sv.add_argument("--api-key", default=os.environ.get("JAKIRO_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAKIRO_API_KEY, else none)")
     sv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get HTTP 413")
@@ -161,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("bench-cost", help="target forward cost curve and plain decoding vs HF generate")
     _add_target_args(c)
-    c.add_argument("--context", type=int, default=256)
-    c.add_argument("--repeats", type=int, default=10)
+    c.add_argument("--context", type=int, default=256, help="tokens of context before the timed forwards")
+    c.add_argument("--repeats", type=int, default=10, help="timed forwards per point of the curve (the median is kept)")
     c.add_argument("--new-tokens", type=int, default=64, help="tokens per plain decoding run")
     c.add_argument("--rounds", type=int, default=3, help="alternating ours/HF decoding rounds")
     c.add_argument("--compare-kernels", action="store_true",
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--llamacpp", action="store_true",
                    help="also time llama.cpp's plain decoding of the same GGUF file, threads and prompt, interleaved "
                         "(its binaries from scripts/build_llama_cpp.sh)")
-    c.add_argument("--out", default="cost_curve.json")
+    c.add_argument("--out", default="cost_curve.json", help="JSON file to write")
     d = sub.add_parser("data", help="build a draft training set (tokens, loss mask, target features)")
     _add_target_args(d)
     d.add_argument("--out", required=True, help="dataset folder (rerun the same command to resume)")
@@ -215,17 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--draft", action="append", default=[], metavar="PATH",
                    help="draft folder, used for its own method (repeatable); METHOD=PATH picks the method, "
                         "e.g. jakiro-blended=runs/x")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--max-new-tokens", type=int, default=256)
-    b.add_argument("--limit-per-category", type=int)
-    b.add_argument("--depth", type=int)
-    b.add_argument("--tree-top-k", type=int)
-    b.add_argument("--total-tokens", type=int)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
+    b.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
+    b.add_argument("--limit-per-category", type=int, help="questions per category at most (default: all)")
+    b.add_argument("--depth", type=int, help="draft tree depth (draft-model: chain length)")
+    b.add_argument("--tree-top-k", type=int, help="children expanded per draft node")
+    b.add_argument("--total-tokens", type=int, help="draft tokens verified per cycle")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed of every answer")
     b.add_argument("--repeats", type=int, default=1,
                    help="answer each turn this many times per method (interleaved) and keep the fastest: "
                         "steadier speedups on a shared machine, same tokens")
-    b.add_argument("--out", default="bench_out")
+    b.add_argument("--out", default="bench_out", help="folder for answers, progress (resumable) and the summary")
 
     u = sub.add_parser("tune", help="pick the fastest tree budget for a draft on this machine")
     _add_target_args(u)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 
 def session(smol, **kw):
     from jakiro.chat import ChatSession
@@ -76,6 +78,7 @@ def read_until(fd, marker, timeout=300):
     return buf.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_chat_command_in_a_pseudo_terminal(smol):
     expected = smol.engine("jakiro").generate("Name a fruit.", 12).text
     master, slave = pty.openpty()
@@ -100,6 +103,7 @@ def test_chat_command_in_a_pseudo_terminal(smol):
         os.close(master)
 
 
+@pytest.mark.slow
 def test_chat_command_rejects_bad_options():
     for args, message in ((["--temperature", "-1"], "temperature must be a finite number >= 0"),
                           (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),

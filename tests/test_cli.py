@@ -66,6 +66,7 @@ def test_unreadable_gguf(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_generate_with_a_static_tree_and_with_lookup_branches():
     res = run_cli("generate", "--prompt", "Repeat: one two three, one two three.", "--method", "jakiro+pld",
                   "--json", "--compare", "--max-new-tokens", "24", "--threads", "1")
@@ -83,6 +84,7 @@ def test_generate_with_a_static_tree_and_with_lookup_branches():
     assert out["tree"]["prompt_vocab"] is True
 
 
+@pytest.mark.slow
 def test_generate_text_summary_line_counts_forwards_and_plain_steps():
     """Without --json the answer streams, then one line: tokens, τ, the target forwards (and how
     many were plain steps, when cost-aware drafting took any), the median tokens/s of the method
@@ -102,6 +104,7 @@ def test_generate_text_summary_line_counts_forwards_and_plain_steps():
     assert found[4] is None or 0 < int(found[4]) <= forwards
 
 
+@pytest.mark.slow
 def test_inputs_default_to_int8_where_the_cpu_has_the_kernels(monkeypatch):
     """A GGUF target takes int8 inputs by default where the CPU has AVX-512 VNNI or AMX (as
     llama.cpp computes these files), float32-accurate ones elsewhere; --float32-inputs and
@@ -122,6 +125,7 @@ def test_inputs_default_to_int8_where_the_cpu_has_the_kernels(monkeypatch):
     res = run_cli("generate", "--prompt", "Hi.", "--int8-activations", "--float32-inputs")
     assert res.returncode == 2 and "not allowed with argument" in res.stderr
 
+@pytest.mark.slow
 def test_generate_with_the_draft_vocabulary_alone():
     res = run_cli("generate", "--prompt", "Summarize: Zorblax met Quindle at the Vexmoor fair.", "--method",
                   "eagle2", "--json", "--compare", "--no-adaptive", "--no-prompt-vocab", "--max-new-tokens", "16",
@@ -131,6 +135,7 @@ def test_generate_with_the_draft_vocabulary_alone():
     assert out["same_as_ar"] is True and out["tree"]["prompt_vocab"] is False
 
 
+@pytest.mark.slow
 def test_generate_with_shipped_jakiro_draft_reports_tree_tau_and_speedup():
     res = run_cli("generate", "--prompt", "Name three primary colors.", "--method", "jakiro", "--json",
                   "--compare", "--max-new-tokens", "24", "--threads", "1")
@@ -148,3 +153,19 @@ def test_generate_with_shipped_jakiro_draft_reports_tree_tau_and_speedup():
     assert out["tree"]["adaptive"] is True and out["plain_steps"] <= out["target_forwards"]
     bonuses = round(out["tau"] * out["target_forwards"]) - sum(out["accepted_from"].values())
     assert bonuses in (out["target_forwards"] - 1, out["target_forwards"])
+
+
+def test_every_option_has_help():
+    """Each command's options and arguments say what they do in --help."""
+    import argparse
+    from jakiro.cli import build_parser
+
+    def bare(parser, name):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub_name, sub in action.choices.items():
+                    yield from bare(sub, f"{name} {sub_name}")
+            elif not action.help and action.dest != "help":
+                yield f"{name} {'/'.join(action.option_strings) or action.dest}"
+
+    assert list(bare(build_parser(), "jakiro")) == []

@@ -49,6 +49,7 @@ def test_the_kernel_can_be_switched_off_and_says_so(tmp_path):
     assert out.stdout.splitlines() == ["off (disabled by JAKIRO_NO_EXT)", "[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]"]
 
 
+@pytest.mark.slow
 def test_a_failed_build_falls_back_with_one_message(tmp_path, monkeypatch, capsys):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")

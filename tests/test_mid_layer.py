@@ -77,6 +77,7 @@ def _aux_draft(root, target, name, scale):
     return load_draft(str(root / name), target)
 
 
+@pytest.mark.slow
 def test_decoding_with_mid_layer_inputs_is_lossless_and_reads_them(tiny):
     """Greedy output equals plain decoding; a zero map drafts exactly as the draft without
     mid-layer inputs, a non-zero one drafts differently."""

@@ -21,6 +21,7 @@ PROMPTS = [
 ] + spec_bench_prompts(2)
 
 
+@pytest.mark.slow
 def test_greedy_equals_hf_generate(smol):
     from jakiro.models.gguf_file import hugging_face_model
     hf = hugging_face_model(smol.target_path)

@@ -197,6 +197,7 @@ def test_tile_kernel_can_be_switched_off(tmp_path):
         assert smallgemm.tile_layout(torch.zeros(16, 2, 24, dtype=torch.uint8)).shape[0] == 1
 
 
+@pytest.mark.slow
 @needs_kernel
 def test_default_target_quantized_decoding_steps_match_float32(smol):
     from jakiro.models.target import TargetModel

@@ -142,6 +142,7 @@ def tiny_small_vocab(tmp_path_factory):
     return target, tok, prompt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", list(PARAM_SETS))
 def test_oracle_tree_sampling_matches_plain(tiny_small_vocab, params):
     target, tok, prompt = tiny_small_vocab
@@ -153,6 +154,7 @@ def test_oracle_tree_sampling_matches_plain(tiny_small_vocab, params):
     check_distribution(plain, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", list(PARAM_SETS))
 def test_jakiro_draft_sampling_matches_plain(tiny_small_vocab, params):
     target, tok, prompt = tiny_small_vocab
@@ -163,6 +165,7 @@ def test_jakiro_draft_sampling_matches_plain(tiny_small_vocab, params):
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", list(PARAM_SETS))
 def test_cost_aware_drafting_sampling_matches_plain(tiny_small_vocab, params):
     """Cycles that switch between drafting (pruned trees) and plain steps within a request, with
@@ -189,6 +192,7 @@ def test_cost_aware_drafting_sampling_matches_plain(tiny_small_vocab, params):
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", list(PARAM_SETS))
 def test_draft_model_sampling_matches_plain(tiny_small_vocab, tmp_path, params):
     """A draft model's chains drawn from its own processed distribution (accepted with
@@ -205,6 +209,7 @@ def test_draft_model_sampling_matches_plain(tiny_small_vocab, tmp_path, params):
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
+@pytest.mark.slow
 def test_static_tree_sampling_matches_plain(tiny_small_vocab):
     from jakiro.decoding.static_tree import StaticTree, validate_paths
     target, tok, prompt = tiny_small_vocab
@@ -251,6 +256,7 @@ def forgetful_verify_sampling(tree, logits, params, generator):
             return Verdict(torch.tensor(accepted), int(torch.multinomial(p, 1, generator=generator)))
 
 
+@pytest.mark.slow
 def test_forgetful_verifier_is_caught(tiny_small_vocab, monkeypatch):
     target, tok, prompt = tiny_small_vocab
     kw = PARAM_SETS["T=0.7,p=0.9,k=20"]
@@ -261,6 +267,7 @@ def test_forgetful_verifier_is_caught(tiny_small_vocab, monkeypatch):
         check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", list(PARAM_SETS))
 @pytest.mark.parametrize("setup", ["chain", "cost-aware hybrid chain"])
 def test_sampled_draft_chain_matches_plain(tiny_small_vocab, params, setup, monkeypatch):

@@ -248,12 +248,12 @@ def test_client_disconnect_frees_the_engine(server):
     time.sleep(4 * 0.25)
     assert json.loads(get(server, "/health")[1])["busy"]
     hang_up(running)  # ... and the running one leaves: the engine stops within a decode cycle
-    t0 = time.time()
-    assert wait_idle(server), "the engine kept decoding for a client that left"
-    assert time.time() - t0 < 5
+    # idle long before the answer's 2,000+ tokens could have been decoded
+    assert wait_idle(server, timeout=5), "the engine kept decoding for a client that left"
     assert metric(server, "jakiro_requests_cancelled_total") == cancelled + 2
 
 
+@pytest.mark.slow
 def test_load_16_concurrent_streams_64_requests(server, client):
     expected = {}
     for p in PROMPTS:  # single-request versions
@@ -340,6 +340,7 @@ def test_depth_series_exist_before_any_drafted_cycle():
     assert 'jakiro_acceptance_rate{depth="3"} NaN' in text
 
 
+@pytest.mark.slow
 def test_serve_command_starts_answers_and_stops():
     import os
     import signal

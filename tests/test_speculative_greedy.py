@@ -50,6 +50,7 @@ def assert_same(engine, prompts, reference):
     return accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(DRAFT_CASES)))
 def test_draft_greedy_equals_plain(tiny, case):
     root, target, tok, prompts, reference = tiny
@@ -73,6 +74,7 @@ def test_oracle_trees_greedy_equals_plain(tiny, depth, width, corrupt):
     assert accepted > 0
 
 
+@pytest.mark.slow
 def test_smollm2_speculative_greedy_equals_plain(smol):
     """The real model: prompt lookup and both shipped drafts (real acceptance) on 10 prompts."""
     from jakiro.api import shipped_draft
@@ -89,6 +91,7 @@ def test_smollm2_speculative_greedy_equals_plain(smol):
             assert engine.generate(prompt, N_TOKENS).token_ids == ref, engine.method
 
 
+@pytest.mark.slow
 @needs_int8_activations
 def test_smollm2_int8_activations_greedy_equals_plain(smol):
     """With int8 activations the target is another computation, shared by every method: prompt

@@ -83,6 +83,7 @@ TREES = {
     ("jakiro", {"draft_vocab_size": 48}, True),
     ("jakiro", {"num_experts": 4, "experts_per_token": 3, "draft_vocab_size": 48}, False),
 ])
+@pytest.mark.slow
 def test_static_trees_greedy_equal_plain(tiny, method, overrides, parallel):
     root, target, tok, prompts, reference = tiny
     draft = random_draft(root, target, method, overrides, f"static-{method}-{parallel}")

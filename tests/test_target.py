@@ -44,6 +44,7 @@ def test_logits_match_hf_llama3_rope(tmp_path):
     torch.testing.assert_close(logits, hf_logits(folder, ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_logits_and_features_match_hf_smollm2(smol):
     from jakiro.models.gguf_file import hugging_face_model
     hf = hugging_face_model(smol.target_path)

@@ -279,6 +279,7 @@ def _ddp_worker(rank, world, port, target, data, out, result_file):
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_process_gloo_matches_single_process(tmp_path, tiny_setup):
     import torch.multiprocessing as mp
     target, data = tiny_setup
@@ -343,6 +344,7 @@ def test_truncated_json_array_is_parsed_object_by_object(tmp_path):
     assert [o["id"] for o in iter_json_array(str(path), chunk_size=7)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_data_build_resumes_without_duplicating_records(tmp_path, monkeypatch):
     from jakiro.models import smallgemm
     from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
