@@ -19,7 +19,7 @@ import urllib.request
 
 from ..errors import JakiroError
 
-METHODS = {"llamacpp": (), "llamacpp-pld": ("--spec-type", "ngram-simple")}
+SERVER_OPTIONS = {"llamacpp": (), "llamacpp-pld": ("--spec-type", "ngram-simple")}
 
 
 def binaries(cache: str | None = None) -> str:

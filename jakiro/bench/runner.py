@@ -139,8 +139,8 @@ class _Answerer:
         for m in cfg.methods:
             if m in LLAMACPP_METHODS:
                 from ..models.gguf_file import source_file
-                from .llamacpp import METHODS as LLAMA_OPTIONS, LlamaServer
-                self.llama[m] = LlamaServer(source_file(jk.target_path), torch.get_num_threads(), LLAMA_OPTIONS[m],
+                from .llamacpp import SERVER_OPTIONS, LlamaServer
+                self.llama[m] = LlamaServer(source_file(jk.target_path), torch.get_num_threads(), SERVER_OPTIONS[m],
                                             cache=cfg.cache_dir)
 
     def close(self) -> None:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import JakiroError
 
-METHODS = ("eagle2", "jakiro")
+DRAFT_METHODS = ("eagle2", "jakiro")
 CANDIDATE_MODES = ("decoupled", "blended")
 
 
@@ -33,8 +33,8 @@ class DraftConfig:
     aux_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise JakiroError(f"unknown draft method {self.method!r} (choose from {', '.join(METHODS)})")
+        if self.method not in DRAFT_METHODS:
+            raise JakiroError(f"unknown draft method {self.method!r} (choose from {', '.join(DRAFT_METHODS)})")
         if self.candidate_mode not in CANDIDATE_MODES:
             raise JakiroError(f"unknown candidate mode {self.candidate_mode!r} "
                               f"(choose from {', '.join(CANDIDATE_MODES)})")
