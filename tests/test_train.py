@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import make_tiny_target, write_conversations
+from jakiro.draft.checkpoint import load_draft
 from jakiro.errors import JakiroError
 from jakiro.models.target import TargetModel
 from jakiro.train.dataset import STATE_FILE, _write_shard
@@ -247,6 +248,19 @@ def test_steps_change_weights_and_lower_loss_on_a_fixed_batch(tmp_path, tiny_set
     after = weights(trainer)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert losses[-1] < losses[0] * 0.9
+
+
+def test_a_narrower_mlp_trains_saves_and_loads_at_its_width(tmp_path, tiny_setup):
+    target, data = tiny_setup
+    trainer = Trainer(config(tmp_path / "run", data, method="eagle2", intermediate_size=24, steps=2, warmup=1),
+                      target, progress=False)
+    trainer.run()
+    tm = TargetModel.from_folder(target)
+    assert trainer.model.down.shape[-1] == 24 and tm.config.intermediate_size != 24
+    draft = load_draft(str(tmp_path / "run"), tm)
+    assert draft.config.intermediate_size == 24
+    for k, v in weights(trainer).items():
+        assert torch.equal(draft.state_dict()[k].to(v.device), v), k
 
 
 def test_kill_and_resume_gives_the_same_weights(tmp_path, tiny_setup):
@@ -508,6 +522,7 @@ def test_runs_written_before_multi_step_training_resume_as_single_step(tmp_path,
     (dict(lr=0.0), "--lr must be > 0"),
     (dict(jakiro_loss="blend"), "unknown Jakiro loss 'blend'"),
     (dict(method="medusa"), "unknown draft method 'medusa'"),
+    (dict(intermediate_size=-8), "--intermediate-size must be >= 0, got -8"),
 ])
 def test_training_settings_are_checked_in_one_place(tmp_path, change, message):
     with pytest.raises(JakiroError, match=message):

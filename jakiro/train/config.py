@@ -136,6 +136,8 @@ class TrainConfig:
                                          "another draft forward)")
     draft_vocab_size: int | None = _opt(8192, "draft head vocabulary, the most frequent tokens of the data "
                                               "(0 = the full vocabulary)", flag="--draft-vocab")
+    intermediate_size: int = _opt(0, "width of the draft's MLP (each expert's for jakiro); 0 = the target's. "
+                                     "A narrower MLP keeps a wide target's draft small and cheap to run")
     steps: int = _opt(1000, "optimizer steps")
     batch_size: int = _opt(8, "records per optimizer step (global, over all processes)")
     seq_len: int = _opt(512, "tokens per record (longer records are cut)")
@@ -179,6 +181,8 @@ class TrainConfig:
             raise JakiroError(f"unknown draft method {self.method!r}; choose eagle2 or jakiro")
         if self.jakiro_loss not in JAKIRO_LOSSES:
             raise JakiroError(f"unknown Jakiro loss {self.jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
+        if self.intermediate_size < 0:
+            raise JakiroError(f"--intermediate-size must be >= 0, got {self.intermediate_size}")
         _at_least_one(self, ("steps", "batch_size", "seq_len", "eval_every", "checkpoint_every", "unroll",
                              "eval_steps"))
         if self.warmup >= self.steps:

@@ -213,6 +213,8 @@ class Trainer:
         overrides = dict(num_experts=cfg.num_experts, experts_per_token=cfg.experts_per_token,
                          candidate_mode=cfg.candidate_mode, parallel_decoding=cfg.parallel_decoding,
                          draft_vocab_size=cfg.draft_vocab_size, aux_layers=list(parse_layers(cfg.aux_layers)))
+        if cfg.intermediate_size:
+            overrides["intermediate_size"] = cfg.intermediate_size
         if cfg.method == "eagle2":
             overrides.update(num_experts=1, experts_per_token=1, parallel_decoding=False)
         self.draft_config = DraftConfig.for_target(target.config, target.hf_config, cfg.method, **overrides)
