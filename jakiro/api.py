@@ -14,9 +14,14 @@ from .methods import METHODS
 SHIPPED_DRAFTS_DIR = os.path.join(os.path.dirname(__file__), "drafts")
 
 
-def shipped_draft(method: str) -> str | None:
-    """The draft trained for the default model that ships with the package, if any."""
-    path = os.path.join(SHIPPED_DRAFTS_DIR, f"smollm2-135m-{method}")
+def shipped_draft(method: str, target: str | None = None) -> str | None:
+    """The draft of ``method`` the package ships for ``target`` (None: the default model; else a
+    named model, its GGUF file or its converted folder), if any."""
+    from .models.registry import named_for
+    model = named_for(target)
+    if model is None:
+        return None
+    path = os.path.join(SHIPPED_DRAFTS_DIR, f"{model.name}-{method}")
     return path if os.path.exists(os.path.join(path, "config.json")) else None
 
 
@@ -82,9 +87,10 @@ class Jakiro:
         else:
             from .draft.tuning import DEFAULT_TREE_KEY, default_tree, load_tuning
             from .draft import load_draft
-            draft = draft or shipped_draft(method)
+            draft = draft or shipped_draft(method, self.target_path)
             if draft is None:
-                raise JakiroError(f"method {method} needs a draft: pass --draft PATH")
+                raise JakiroError(f"method {method} needs a draft: none ships for this target; pass --draft PATH "
+                                  f"(jakiro train makes one)")
             model = load_draft(draft, self.target)
             if model.config.method != method:
                 raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")

@@ -352,7 +352,7 @@ def _load_for_session(args):
     from .api import shipped_draft
     method = args.method
     if method is None and args.draft is None:
-        method = "jakiro" if args.target is None and shipped_draft("jakiro") else "ar"
+        method = "jakiro" if shipped_draft("jakiro", args.target) else "ar"
     return load(args.target, args.draft, method, args.depth, args.tree_top_k, args.total_tokens,
                 args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
                 args.tree, prompt_vocab=not args.no_prompt_vocab, draft_model=args.draft_model)
@@ -463,7 +463,7 @@ def cmd_bench(args) -> int:
 def cmd_tune(args) -> int:
     from .api import shipped_draft
     from .bench.tune import run_tune
-    draft = args.draft or shipped_draft("jakiro")
+    draft = args.draft or shipped_draft("jakiro", args.target)
     if draft is None:
         raise JakiroError("no draft to tune: pass --draft PATH")
     result = run_tune(draft, args.target, args.cache_dir, args.max_new_tokens)

