@@ -109,3 +109,26 @@ def test_processors_temperature_top_k_top_p():
     p = processed_probs(logits, SamplingParams(temperature=0.5))
     q = torch.tensor([0.5, 0.25, 0.15, 0.1]) ** 2
     torch.testing.assert_close(p, q / q.sum())
+
+
+def test_the_id_core_decodes_ids_and_its_stop_rule_cuts_them(smol):
+    """The decode core takes and yields token ids (no tokenizer): the same answer as the text
+    engine's, its cycles' ids concatenated are the answer, and a stop rule on ids ends it where
+    the rule says."""
+    engine = smol.engine("ar")
+    ids = engine.encode("List three uses of baking soda.")
+    decoder = engine.decoder
+    assert not hasattr(decoder, "tokenizer")
+    whole = engine.generate(ids, max_new_tokens=24)
+    run, pieces = decoder.run(ids, 24), []
+    while True:
+        try:
+            pieces.append(next(run))
+        except StopIteration as done:
+            answer = done.value
+            break
+    assert sum(pieces, []) == answer.token_ids == whole.token_ids
+    assert answer.finish_reason == whole.finish_reason
+    cut = decoder.decode(ids, 24, stop=lambda generated: 5 if len(generated) >= 7 else None)
+    assert cut.token_ids == whole.token_ids[:5] and cut.finish_reason == "stop"
+    assert cut.metrics.new_tokens == 5

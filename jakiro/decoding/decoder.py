@@ -1,0 +1,241 @@
+"""The decode core on token ids, shared by every method: prefill, then draft -> verify -> commit
+cycles until EOS, the length limit or the caller's stop rule, with per-request metrics. Text
+(chat templates, detokenisation, stop strings) lives at the edges (``engine``, ``text``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..errors import JakiroError
+from .proposers import Proposer
+from .sampling import SamplingParams, next_token
+from .tree import DRAFT, LOOKUP
+from . import verify as _verify
+
+# after each commit: the answer's ids so far -> how many of them to keep to end it there, or None
+StopRule = Callable[[list[int]], "int | None"]
+
+
+@dataclass
+class Metrics:
+    """One request's counts and times, or the sum of many (``merge``): the one definition of τ,
+    acceptance per depth and tokens/s used by the CLI, the benchmark, the server, chat and tune."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    target_forwards: int = 0  # verification forwards (prefill excluded)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    total_s: float = 0.0
+    committed: int = 0  # tokens committed by verification forwards (bonus included)
+    plain_steps: int = 0  # verification forwards with no draft token (cost-aware drafting backed off)
+    accepted_from: dict = field(default_factory=lambda: {"draft": 0, "lookup": 0, "both": 0})
+    depth_tried: list[int] = field(default_factory=list)  # cycles whose tree reached depth d+1 ...
+    depth_accepted: list[int] = field(default_factory=list)  # ... and the path got past depth d+1
+
+    @property
+    def tau(self) -> float:
+        """Tokens committed per target verification forward, bonus token included."""
+        return self.committed / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def accept_rate_per_depth(self) -> list[float]:
+        return [a / t if t else 0.0 for a, t in zip(self.depth_accepted, self.depth_tried)]
+
+    def record_cycle(self, tree_depth: int, accept_length: int) -> None:
+        while len(self.depth_tried) < tree_depth:
+            self.depth_tried.append(0)
+            self.depth_accepted.append(0)
+        for d in range(min(tree_depth, accept_length + 1)):
+            self.depth_tried[d] += 1
+            if accept_length > d:
+                self.depth_accepted[d] += 1
+
+    def merge(self, other: "Metrics") -> "Metrics":
+        """Add ``other``'s counts and times to these (in place; returns self)."""
+        for name in ("prompt_tokens", "new_tokens", "target_forwards", "prefill_s", "draft_s", "target_s",
+                     "total_s", "committed", "plain_steps"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for src, n in other.accepted_from.items():
+            self.accepted_from[src] = self.accepted_from.get(src, 0) + n
+        for mine, theirs in ((self.depth_tried, other.depth_tried), (self.depth_accepted, other.depth_accepted)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, n in enumerate(theirs):
+                mine[d] += n
+        return self
+
+    @classmethod
+    def total(cls, many) -> "Metrics":
+        out = cls()
+        for m in many:
+            out.merge(m)
+        return out
+
+    def as_dict(self) -> dict:
+        """Every count and time (enough to rebuild the object with ``from_dict``) and the derived
+        rates."""
+        return {
+            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "tokens_per_s": self.tokens_per_s, "tau": self.tau, "committed": self.committed,
+            "target_forwards": self.target_forwards, "plain_steps": self.plain_steps,
+            "accepted_from": dict(self.accepted_from),
+            "accept_rate_per_depth": self.accept_rate_per_depth,
+            "depth_tried": list(self.depth_tried), "depth_accepted": list(self.depth_accepted),
+            "prefill_s": self.prefill_s, "draft_s": self.draft_s, "target_s": self.target_s,
+            "total_s": self.total_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Metrics":
+        names = cls.__dataclass_fields__
+        return cls(**{k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+                      for k, v in d.items() if k in names})
+
+
+@dataclass
+class Decoded:
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or the stop rule) or "length"
+    metrics: Metrics
+
+
+class Decoder:
+    """One request at a time for a target and a proposer, on token ids: ``run`` yields the ids
+    each cycle commits and returns the whole answer with its metrics."""
+
+    def __init__(self, target, proposer: Proposer | None, eos_ids: set[int]):
+        self.target = target
+        self.proposer = proposer or Proposer()
+        self.eos_ids = set(eos_ids)
+
+    @property
+    def method(self) -> str:
+        return self.proposer.name
+
+    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise JakiroError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        ctx = self.target.config.max_context
+        if prompt_len + max_new_tokens > ctx:
+            raise JakiroError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
+                              f"exceeds the model's context length ({ctx})")
+
+    def decode(self, ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+               stop: StopRule | None = None) -> Decoded:
+        run = self.run(ids, max_new_tokens, sampling, stop)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+            stop: StopRule | None = None) -> Iterator[list[int]]:
+        """Yield the token ids each cycle commits (after ``stop`` has cut them); the generator's
+        return value is the ``Decoded`` answer."""
+        params = sampling or SamplingParams()
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise JakiroError("the prompt is empty")
+        self.check_length(len(ids), max_new_tokens)
+        generator = params.generator()
+        metrics = Metrics(prompt_tokens=len(ids))
+        t_start = time.perf_counter()
+        cache, first = self._prefill(ids, max_new_tokens, params, generator)
+        metrics.prefill_s = time.perf_counter() - t_start
+        context = list(ids)
+        generated: list[int] = []
+        sources: list[str | None] = []  # per generated token: which proposal it was accepted from
+        pending: list[tuple[int, str | None]] = [(first, None)]
+        while True:
+            before = len(generated)
+            finish = self._commit(pending, generated, sources, context, max_new_tokens)
+            kept = stop(generated) if stop is not None else None
+            if kept is not None:
+                finish = "stop"
+                del generated[kept:]  # the answer ends where the stop rule says
+                del sources[kept:]
+            if len(generated) > before:
+                yield generated[before:]
+            if finish:
+                break
+            pending = self._cycle(context, cache, params, generator, metrics)
+        metrics.new_tokens = len(generated)
+        # every kept token but the prefill's first came from a verification cycle: τ counts those
+        # (not tokens verified past EOS, the length limit or the stop rule)
+        metrics.committed = max(0, len(generated) - 1)
+        for src in sources:
+            if src is not None:
+                metrics.accepted_from[src] += 1
+        metrics.total_s = time.perf_counter() - t_start
+        return Decoded(generated, finish, metrics)
+
+    def _prefill(self, ids: list[int], max_new_tokens: int, params: SamplingParams, generator):
+        """The prompt's forward: a fresh KV cache holding it and the first new token."""
+        target, proposer = self.target, self.proposer
+        cache = target.new_cache(len(ids) + max_new_tokens, scratch=proposer.max_tree_tokens)
+        proposer.set_sampling(None if params.greedy else params, generator)
+        proposer.start(len(ids) + max_new_tokens)
+        logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None), chunked=True,
+                               aux_layers=proposer.aux_layers)
+        cache.commit(len(ids))
+        first = next_token(logits[0], params, generator)
+        if proposer.needs_features:
+            proposer.observe(feats, torch.tensor(ids[1:] + [first]))
+        return cache, first
+
+    def _commit(self, pending, generated: list[int], sources: list, context: list[int],
+                max_new_tokens: int) -> str | None:
+        """Commit (token, source) pairs one by one, so that EOS and the length limit cut at the
+        exact token; the finish reason, or None to go on."""
+        for tok, src in pending:
+            generated.append(tok)
+            sources.append(src)
+            context.append(tok)
+            if tok in self.eos_ids:
+                return "stop"
+            if len(generated) >= max_new_tokens:
+                return "length"
+        return None
+
+    def _cycle(self, context: list[int], cache, params: SamplingParams, generator,
+               metrics: Metrics) -> list[tuple[int, str | None]]:
+        """One draft -> verify cycle: the accepted tokens and the bonus token, with the proposal
+        each accepted token came from."""
+        target, proposer = self.target, self.proposer
+        t0 = time.perf_counter()
+        tree = proposer.propose(context)
+        t1 = time.perf_counter()
+        if tree.size > 1:
+            logits, feats = target(tree.tokens, cache, position_ids=cache.length + tree.depths,
+                                   tree_mask=tree.tree_mask, aux_layers=proposer.aux_layers)
+        else:
+            logits, feats = target(tree.tokens, cache, aux_layers=proposer.aux_layers)
+        verdict = _verify.verify(tree, logits, params, generator)
+        proposer.feedback(tree, verdict)
+        cache.keep(verdict.accepted)
+        t2 = time.perf_counter()
+        metrics.draft_s += t1 - t0
+        metrics.target_s += t2 - t1
+        metrics.target_forwards += 1
+        metrics.plain_steps += tree.size == 1
+        metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
+        tokens = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
+        if proposer.needs_features:
+            proposer.observe(feats[verdict.accepted], torch.tensor(tokens))
+        names = ([_SOURCE_NAMES[s] for s in tree.sources[verdict.accepted[1:]].tolist()]
+                 if tree.sources is not None else [None] * verdict.accept_length) + [None]
+        return list(zip(tokens, names))
+
+
+_SOURCE_NAMES = {DRAFT: "draft", LOOKUP: "lookup", DRAFT | LOOKUP: "both"}
