@@ -154,6 +154,16 @@ class Jakiro:
         params = SamplingParams(temperature, top_p, top_k, seed)
         return self.engine(method).generate(prompt, max_new_tokens, params, stop, chat, on_text)
 
+    def generate_batch(self, prompts: list, max_new_tokens: int = 128, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                       stop: list[str] | None = None, chat: bool = True, method: str | None = None,
+                       parallel: int | None = None) -> list[GenerationResult]:
+        """Answers to many prompts decoded together (continuous batching, ``parallel`` at a time,
+        default all), each the answer ``generate`` gives it alone: greedy exactly; sampled with
+        ``seed``, the same draws (every prompt's generator seeded with it)."""
+        params = SamplingParams(temperature, top_p, top_k, seed)
+        return self.engine(method).generate_batch(list(prompts), max_new_tokens, params, stop, chat, parallel)
+
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                stop: list[str] | None = None, chat: bool = True,

@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a connection may take to send a request head")
     sv.add_argument("--max-connections", type=int, default=64, help="concurrent connections; more get HTTP 503")
     sv.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs and /redoc")
+    sv.add_argument("--parallel", type=int, default=1,
+                    help="requests decoded together (continuous batching; each keeps its method's drafts, all "
+                    "verified in one forward); 1: one at a time")
+    sv.add_argument("--slot-tokens", type=int,
+                    help="with --parallel > 1: tokens (prompt and answer) each request may take; its KV cache "
+                    "is allocated for every slot at start (default: the model's context, at most 4096)")
     _add_session_args(sv)
 
     ch = sub.add_parser("chat", help="interactive terminal chat with streamed replies")
@@ -227,6 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer each turn this many times per method (interleaved) and keep the fastest: "
                         "steadier speedups on a shared machine, same tokens")
     b.add_argument("--out", default="bench_out", help="folder for answers, progress (resumable) and the summary")
+    b.add_argument("--concurrency", metavar="N,M,...",
+                   help="instead: aggregate tokens/s with N requests decoded together (continuous batching, as "
+                        "serve --parallel N), each level against one at a time; writes concurrency.json")
 
     u = sub.add_parser("tune", help="pick the fastest tree budget for a draft on this machine")
     _add_target_args(u)
@@ -366,16 +375,18 @@ def cmd_serve(args) -> int:
         raise JakiroError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.default_max_tokens < 1:
         raise JakiroError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    for name in ("max_body_bytes", "max_connections"):
+    for name in ("max_body_bytes", "max_connections", "parallel"):
         if getattr(args, name) < 1:
             raise JakiroError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.header_timeout > 0:
         raise JakiroError(f"--header-timeout must be > 0, got {args.header_timeout}")
+    if args.slot_tokens is not None and args.slot_tokens < 2:
+        raise JakiroError(f"--slot-tokens must be >= 2, got {args.slot_tokens}")
     hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None
     jk = _load_for_session(args)
     serve(jk, args.host, args.port, None, args.model_name, args.max_queue, args.default_max_tokens,
           args.log_level, args.api_key, args.max_body_bytes, hosts, args.docs, args.header_timeout,
-          args.max_connections)
+          args.max_connections, args.parallel, args.slot_tokens)
     return 0
 
 
@@ -454,6 +465,10 @@ def cmd_bench(args) -> int:
                       args.temperature, args.max_new_tokens, args.limit_per_category, args.out,
                       args.target, args.cache_dir, args.depth, args.tree_top_k, args.total_tokens, args.seed,
                       static_tree=args.static_tree, repeats=args.repeats, draft_model=args.draft_model)
+    if args.concurrency:
+        from .bench.concurrency import concurrency_table, parse_levels, run_concurrency
+        print(concurrency_table(run_concurrency(cfg, parse_levels(args.concurrency))))
+        return 0
     from .bench.runner import markdown_table
     summary = run_bench(cfg)
     print(markdown_table(summary))

@@ -217,13 +217,13 @@ def metric(server, name):
     raise KeyError(name)
 
 
-def open_stream(server, chunks):
+def open_stream(server, chunks, max_tokens=4000):
     """Start a long streaming chat request and read ``chunks`` SSE events from it. Greedy: the
     answer is plain decoding's whatever trees the engine drafts (over 2,000 tokens here), where a
     sampled one's length depends on the draws, which depend on the trees (one ended within a second)."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = msg(messages=[{"role": "user", "content": "Write a very long essay about the history of Rome."}],
-               max_tokens=4000, temperature=0, stream=True)
+               max_tokens=max_tokens, temperature=0, stream=True)
     conn.request("POST", CHAT, json.dumps(body), {"Content-Type": "application/json"})
     res = conn.getresponse()
     assert res.status == 200 and res.getheader("content-type").startswith("text/event-stream")

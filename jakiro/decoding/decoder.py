@@ -108,6 +108,130 @@ class Decoded:
     metrics: Metrics
 
 
+class Sequence:
+    """One request's state in the decode core: its proposer and KV cache, the ids committed so far
+    and its metrics. ``Decoder`` runs one; ``batch.BatchDecoder`` runs many side by side, their
+    trees verified in one target forward."""
+
+    def __init__(self, decoder: "Decoder", ids: list[int], max_new_tokens: int, sampling: SamplingParams | None,
+                 stop: StopRule | None, proposer: Proposer, cache):
+        self.decoder, self.proposer, self.cache = decoder, proposer, cache
+        self.slot = 0  # its slot of a batch's cache (``batch``)
+        self.params = sampling or SamplingParams()
+        self.ids = [int(t) for t in ids]
+        if not self.ids:
+            raise JakiroError("the prompt is empty")
+        decoder.check_length(len(self.ids), max_new_tokens)
+        self.max_new_tokens, self.stop = max_new_tokens, stop
+        self.generator = self.params.generator()
+        self.metrics = Metrics(prompt_tokens=len(self.ids))
+        self.t_start = time.perf_counter()
+        self.context = list(self.ids)
+        self.generated: list[int] = []
+        self.sources: list[str | None] = []  # per generated token: which proposal it was accepted from
+        self.pending: list[tuple[int, str | None]] = []
+        self.finish: str | None = None
+        self.prefilled = 0  # prompt tokens in the cache
+        self._prompt_feats: list[torch.Tensor] = []
+        proposer.set_sampling(None if self.params.greedy else self.params, self.generator)
+        proposer.start(len(self.ids) + max_new_tokens)
+
+    def prefill(self, piece: int | None = None) -> bool:
+        """Take in the next ``piece`` prompt tokens (all of them with None); True once the whole
+        prompt is in and the first new token is pending."""
+        target, proposer, ids = self.decoder.target, self.proposer, self.ids
+        end = len(ids) if piece is None else min(len(ids), self.prefilled + piece)
+        last = end == len(ids)
+        logits, feats = target(torch.tensor(ids[self.prefilled:end]), self.cache,
+                               logits_rows=slice(-1, None), chunked=True,
+                               aux_layers=proposer.aux_layers)
+        self.cache.commit(end - self.prefilled)
+        self.prefilled = end
+        if proposer.needs_features:
+            self._prompt_feats.append(feats)
+        if not last:
+            return False
+        first = next_token(logits[0], self.params, self.generator)
+        if proposer.needs_features:
+            proposer.observe(torch.cat(self._prompt_feats), torch.tensor(ids[1:] + [first]))
+        self._prompt_feats = []
+        self.metrics.prefill_s = time.perf_counter() - self.t_start
+        self.pending = [(first, None)]
+        return True
+
+    def advance(self) -> list[int]:
+        """Commit the pending (token, source) pairs one by one, so that EOS and the length limit
+        cut at the exact token, then apply the stop rule; the ids this added (``finish`` is set
+        when the answer ended)."""
+        generated, before = self.generated, len(self.generated)
+        for tok, src in self.pending:
+            generated.append(tok)
+            self.sources.append(src)
+            self.context.append(tok)
+            if tok in self.decoder.eos_ids:
+                self.finish = "stop"
+            elif len(generated) >= self.max_new_tokens:
+                self.finish = "length"
+            if self.finish:
+                break
+        self.pending = []
+        kept = self.stop(generated) if self.stop is not None else None
+        if kept is not None:
+            self.finish = "stop"
+            del generated[kept:]  # the answer ends where the stop rule says
+            del self.sources[kept:]
+        return generated[before:]
+
+    def propose(self):
+        """This cycle's draft tree (rooted at the last committed token)."""
+        t0 = time.perf_counter()
+        tree = self.proposer.propose(self.context)
+        self.metrics.draft_s += time.perf_counter() - t0
+        return tree
+
+    def settle(self, tree, logits: torch.Tensor, feats: torch.Tensor, target_s: float) -> None:
+        """Verify ``tree`` against the target's logits for its nodes, keep the accepted path in
+        the cache and make it (with the bonus token) pending."""
+        proposer, metrics = self.proposer, self.metrics
+        t0 = time.perf_counter()
+        verdict = _verify.verify(tree, logits, self.params, self.generator)
+        proposer.feedback(tree, verdict)
+        self.cache.keep(verdict.accepted)
+        metrics.target_s += target_s + time.perf_counter() - t0
+        metrics.target_forwards += 1
+        metrics.plain_steps += tree.size == 1
+        metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
+        tokens = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
+        if proposer.needs_features:
+            proposer.observe(feats[verdict.accepted], torch.tensor(tokens))
+        names = ([_SOURCE_NAMES[s] for s in tree.sources[verdict.accepted[1:]].tolist()]
+                 if tree.sources is not None else [None] * verdict.accept_length) + [None]
+        self.pending = list(zip(tokens, names))
+
+    def verify_alone(self, tree) -> None:
+        """``settle`` after the target's own forward over ``tree`` on this sequence's cache."""
+        target, cache = self.decoder.target, self.cache
+        t0 = time.perf_counter()
+        if tree.size > 1:
+            logits, feats = target(tree.tokens, cache, position_ids=cache.length + tree.depths,
+                                   tree_mask=tree.tree_mask, aux_layers=self.proposer.aux_layers)
+        else:
+            logits, feats = target(tree.tokens, cache, aux_layers=self.proposer.aux_layers)
+        self.settle(tree, logits, feats, time.perf_counter() - t0)
+
+    def result(self) -> Decoded:
+        metrics = self.metrics
+        metrics.new_tokens = len(self.generated)
+        # every kept token but the prefill's first came from a verification cycle: τ counts those
+        # (not tokens verified past EOS, the length limit or the stop rule)
+        metrics.committed = max(0, len(self.generated) - 1)
+        for src in self.sources:
+            if src is not None:
+                metrics.accepted_from[src] += 1
+        metrics.total_s = time.perf_counter() - self.t_start
+        return Decoded(list(self.generated), self.finish or "stop", metrics)
+
+
 class Decoder:
     """One request at a time for a target and a proposer, on token ids: ``run`` yields the ids
     each cycle commits and returns the whole answer with its metrics."""
@@ -143,99 +267,16 @@ class Decoder:
             stop: StopRule | None = None) -> Iterator[list[int]]:
         """Yield the token ids each cycle commits (after ``stop`` has cut them); the generator's
         return value is the ``Decoded`` answer."""
-        params = sampling or SamplingParams()
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise JakiroError("the prompt is empty")
-        self.check_length(len(ids), max_new_tokens)
-        generator = params.generator()
-        metrics = Metrics(prompt_tokens=len(ids))
-        t_start = time.perf_counter()
-        cache, first = self._prefill(ids, max_new_tokens, params, generator)
-        metrics.prefill_s = time.perf_counter() - t_start
-        context = list(ids)
-        generated: list[int] = []
-        sources: list[str | None] = []  # per generated token: which proposal it was accepted from
-        pending: list[tuple[int, str | None]] = [(first, None)]
+        seq = Sequence(self, ids, max_new_tokens, sampling, stop, self.proposer, None)
+        seq.cache = self.target.new_cache(len(seq.ids) + max_new_tokens, scratch=self.proposer.max_tree_tokens)
+        seq.prefill()
         while True:
-            before = len(generated)
-            finish = self._commit(pending, generated, sources, context, max_new_tokens)
-            kept = stop(generated) if stop is not None else None
-            if kept is not None:
-                finish = "stop"
-                del generated[kept:]  # the answer ends where the stop rule says
-                del sources[kept:]
-            if len(generated) > before:
-                yield generated[before:]
-            if finish:
-                break
-            pending = self._cycle(context, cache, params, generator, metrics)
-        metrics.new_tokens = len(generated)
-        # every kept token but the prefill's first came from a verification cycle: τ counts those
-        # (not tokens verified past EOS, the length limit or the stop rule)
-        metrics.committed = max(0, len(generated) - 1)
-        for src in sources:
-            if src is not None:
-                metrics.accepted_from[src] += 1
-        metrics.total_s = time.perf_counter() - t_start
-        return Decoded(generated, finish, metrics)
-
-    def _prefill(self, ids: list[int], max_new_tokens: int, params: SamplingParams, generator):
-        """The prompt's forward: a fresh KV cache holding it and the first new token."""
-        target, proposer = self.target, self.proposer
-        cache = target.new_cache(len(ids) + max_new_tokens, scratch=proposer.max_tree_tokens)
-        proposer.set_sampling(None if params.greedy else params, generator)
-        proposer.start(len(ids) + max_new_tokens)
-        logits, feats = target(torch.tensor(ids), cache, logits_rows=slice(-1, None), chunked=True,
-                               aux_layers=proposer.aux_layers)
-        cache.commit(len(ids))
-        first = next_token(logits[0], params, generator)
-        if proposer.needs_features:
-            proposer.observe(feats, torch.tensor(ids[1:] + [first]))
-        return cache, first
-
-    def _commit(self, pending, generated: list[int], sources: list, context: list[int],
-                max_new_tokens: int) -> str | None:
-        """Commit (token, source) pairs one by one, so that EOS and the length limit cut at the
-        exact token; the finish reason, or None to go on."""
-        for tok, src in pending:
-            generated.append(tok)
-            sources.append(src)
-            context.append(tok)
-            if tok in self.eos_ids:
-                return "stop"
-            if len(generated) >= max_new_tokens:
-                return "length"
-        return None
-
-    def _cycle(self, context: list[int], cache, params: SamplingParams, generator,
-               metrics: Metrics) -> list[tuple[int, str | None]]:
-        """One draft -> verify cycle: the accepted tokens and the bonus token, with the proposal
-        each accepted token came from."""
-        target, proposer = self.target, self.proposer
-        t0 = time.perf_counter()
-        tree = proposer.propose(context)
-        t1 = time.perf_counter()
-        if tree.size > 1:
-            logits, feats = target(tree.tokens, cache, position_ids=cache.length + tree.depths,
-                                   tree_mask=tree.tree_mask, aux_layers=proposer.aux_layers)
-        else:
-            logits, feats = target(tree.tokens, cache, aux_layers=proposer.aux_layers)
-        verdict = _verify.verify(tree, logits, params, generator)
-        proposer.feedback(tree, verdict)
-        cache.keep(verdict.accepted)
-        t2 = time.perf_counter()
-        metrics.draft_s += t1 - t0
-        metrics.target_s += t2 - t1
-        metrics.target_forwards += 1
-        metrics.plain_steps += tree.size == 1
-        metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
-        tokens = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
-        if proposer.needs_features:
-            proposer.observe(feats[verdict.accepted], torch.tensor(tokens))
-        names = ([_SOURCE_NAMES[s] for s in tree.sources[verdict.accepted[1:]].tolist()]
-                 if tree.sources is not None else [None] * verdict.accept_length) + [None]
-        return list(zip(tokens, names))
+            new = seq.advance()
+            if new:
+                yield new
+            if seq.finish:
+                return seq.result()
+            seq.verify_alone(seq.propose())
 
 
 _SOURCE_NAMES = {DRAFT: "draft", LOOKUP: "lookup", DRAFT | LOOKUP: "both"}

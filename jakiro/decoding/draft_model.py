@@ -64,6 +64,11 @@ class DraftModelProposer(Proposer):
         self._cache.truncate(0)
         self._held = []
 
+    def fork(self) -> "DraftModelProposer":
+        twin = super().fork()
+        twin._cache = None  # its own KV cache, made by ``start``
+        return twin
+
     def set_sampling(self, params: SamplingParams | None, generator: torch.Generator | None = None) -> None:
         self._params, self._generator = params, generator
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from ..errors import JakiroError
+from .batch import BatchDecoder
 from .decoder import Decoded, Decoder, Metrics  # noqa: F401 (Metrics: imported from here too)
 from .proposers import Proposer
 from .sampling import SamplingParams
@@ -58,30 +60,78 @@ class Engine:
                stop: list[str] | None = None, chat: bool = True) -> Iterator[str]:
         """Yield text as it is committed; the generator's return value is the GenerationResult."""
         ids = self.encode(prompt, chat)
-        tracker = TextTracker(self.tokenizer, stop or [])
-        released: list[str] = []
-
-        def stop_rule(generated: list[int]) -> int | None:
-            """Stop strings on the text of the ids: how many ids to keep when one appears."""
-            delta, cut = tracker.update([t for t in generated if t not in self.eos_ids])
-            released.append(delta)
-            return None if cut is None else tracker.tokens_before(generated, cut, self.eos_ids)
-
-        run = self.decoder.run(ids, max_new_tokens, sampling, stop_rule)
+        text = self.text_of(stop)
+        run = self.decoder.run(ids, max_new_tokens, sampling, text.stop_rule)
         while True:
             try:
                 next(run)
             except StopIteration as done:
                 answer: Decoded = done.value
                 break
-            text = "".join(released)
-            released.clear()
-            if text:
-                yield text
-        text = "".join(released) + tracker.flush()
-        if text:
-            yield text
-        return GenerationResult(tracker.text, answer.token_ids, answer.finish_reason, answer.metrics, self.method)
+            delta = text.take()
+            if delta:
+                yield delta
+        delta, result = text.finish(answer)
+        if delta:
+            yield delta
+        return result
+
+    def text_of(self, stop: list[str] | None = None) -> "AnswerText":
+        """The text layer for one answer decoded on ids (by ``decoder`` or a ``BatchDecoder``)."""
+        return AnswerText(self, stop or [])
+
+    def batch(self, slots: int, slot_tokens: int | None = None) -> BatchDecoder:
+        """A continuous-batching decoder over this engine's target and proposer (``batch``)."""
+        return BatchDecoder(self.decoder, slots, slot_tokens)
+
+    def generate_batch(self, prompts: list, max_new_tokens: int = 128, sampling=None,
+                       stop: list[str] | None = None, chat: bool = True, parallel: int | None = None,
+                       slot_tokens: int | None = None) -> list[GenerationResult]:
+        """Every prompt's answer, ``parallel`` requests decoded together (default: all of them);
+        ``sampling``: one ``SamplingParams`` for all, or one per prompt. Each answer is the one
+        ``generate`` gives alone (greedy), or draws from its own seeded generator."""
+        if not prompts:
+            return []
+        params = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise JakiroError(f"{len(params)} sampling settings for {len(prompts)} prompts")
+        ids = [self.encode(p, chat) for p in prompts]
+        for i in ids:
+            self.check_length(len(i), max_new_tokens)
+        longest = max(len(i) for i in ids) + max_new_tokens
+        batch = self.batch(min(parallel or len(prompts), len(prompts)), slot_tokens or longest)
+        texts = [self.text_of(stop) for _ in prompts]
+        answers = batch.decode([(i, max_new_tokens, p, t.stop_rule) for i, p, t in zip(ids, params, texts)])
+        return [t.finish(a)[1] for t, a in zip(texts, answers)]
+
+
+class AnswerText:
+    """One answer's text as its ids are committed: incremental detokenisation, stop strings as
+    the decode core's stop rule (``stop_rule``), the released text (``take``) and the result."""
+
+    def __init__(self, engine: Engine, stop: list[str]):
+        self.engine = engine
+        self.tracker = TextTracker(engine.tokenizer, stop)
+        self._released: list[str] = []
+
+    def stop_rule(self, generated: list[int]) -> int | None:
+        """Stop strings on the text of the ids: how many ids to keep when one appears."""
+        eos = self.engine.eos_ids
+        delta, cut = self.tracker.update([t for t in generated if t not in eos])
+        self._released.append(delta)
+        return None if cut is None else self.tracker.tokens_before(generated, cut, eos)
+
+    def take(self) -> str:
+        """The text released since the last call."""
+        text = "".join(self._released)
+        self._released.clear()
+        return text
+
+    def finish(self, answer: Decoded) -> tuple[str, GenerationResult]:
+        """The last of the text and the whole result."""
+        delta = self.take() + self.tracker.flush()
+        return delta, GenerationResult(self.tracker.text, answer.token_ids, answer.finish_reason, answer.metrics,
+                                       self.engine.method)
 
 
 def _eos_ids(target, tokenizer) -> set[int]:

@@ -7,6 +7,7 @@ last committed token) and ``feedback`` (what verification accepted of it).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 
@@ -26,6 +27,18 @@ class Proposer:
 
     def start(self, max_len: int) -> None:
         """Prepare for a request whose sequence will not exceed ``max_len`` tokens."""
+
+    def fork(self) -> "Proposer":
+        """A proposer for another request decoded alongside this one's (``batch``): the same
+        weights, tables and settings, its own request state. Proposers inside it are forked
+        too and containers copied; ``start`` makes the rest (caches) anew."""
+        twin = copy.copy(self)
+        for name, value in vars(twin).items():
+            if isinstance(value, Proposer):
+                setattr(twin, name, value.fork())
+            elif isinstance(value, (list, dict, set)):
+                setattr(twin, name, copy.copy(value))
+        return twin
 
     def set_sampling(self, params: SamplingParams | None, generator: torch.Generator | None = None) -> None:
         """The next request's sampling (None: greedy). A draft chain is then drawn from the

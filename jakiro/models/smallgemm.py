@@ -261,6 +261,15 @@ def decoder_layers_batch(x, weights, out_features, kv, lengths, cos, sin, num_he
                                                            input_bytes)
 
 
+def decoder_layers_ragged(x, weights, out_features, kv, seq, at, prefix, mask, cos, sin, num_heads, num_kv_heads, eps,
+                          scale, keep_after=(), input_bytes=3):
+    """Several sequences' draft trees through the whole decoder stack in one call
+    (``csrc/decoder.cpp``); see ``TargetModel.verify_batch``."""
+    return torch.ops.jakiro_smallgemm.decoder_layers_ragged(x, weights, out_features, kv, seq, at, prefix, mask, cos,
+                                                            sin, num_heads, num_kv_heads, eps, scale, list(keep_after),
+                                                            input_bytes)
+
+
 def draft_attend(features, tokens, embed, fc, fc_bias, norm, qkv, o, kv, past, cos_table, sin_table, positions,
                  mask, num_heads, num_kv_heads, eps, scale, input_bytes=3):
     """A draft step's fusion layer and attention block in one call (``csrc/decoder.cpp``): the

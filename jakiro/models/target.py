@@ -376,11 +376,19 @@ class TargetModel:
             raise JakiroError(f"draft trees are limited to {ROPE_SLACK} tokens, got {scratch}")
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len + scratch, self.dtype)
 
-    def new_batch_cache(self, batch: int, max_len: int) -> BatchKVCache:
-        """A cache for ``batch`` independent sequences of up to ``max_len`` tokens each."""
+    def new_batch_cache(self, batch: int, max_len: int, scratch: int = 0) -> BatchKVCache:
+        """A cache for ``batch`` independent sequences of up to ``max_len`` tokens each (plus
+        ``scratch`` slots each for the uncommitted tokens of a verification forward)."""
         cfg = self.config
         cfg.check_length(max_len)
-        return BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch, max_len, self.dtype)
+        if scratch > ROPE_SLACK:
+            raise JakiroError(f"draft trees are limited to {ROPE_SLACK} tokens, got {scratch}")
+        return BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch, max_len + scratch, self.dtype)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token of one sequence holds in the cache."""
+        cfg = self.config
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -432,6 +440,37 @@ class TargetModel:
             x = self._layers(x, cache, position_ids, tree_mask, aux_layers)
         final, features = self._features(x)
         return self.lm_head(final if logits_rows is None else final[logits_rows]), features
+
+    def fused_rows(self, n: int, tree: bool = True) -> bool:
+        """Whether a forward over ``n`` new tokens (a tree, or with ``tree=False`` a prompt run
+        with ``chunked``) goes through the one-call stack: rows it computes are computed the same
+        in ``forward_rows``, and a prompt it takes in pieces the same piece by piece."""
+        return self._fused is not None and (n <= SMALL_ROWS or self.blocks_only or (
+            not tree and n <= self._longest_chunked_prompt))
+
+    @torch.inference_mode()
+    def forward_rows(self, input_ids: torch.Tensor, kv: torch.Tensor, seq: torch.Tensor, at: torch.Tensor,
+                     prefix: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                     aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of several sequences in one pass (a batch of draft trees verified together):
+        row r of sequence ``seq[r]`` (slot of ``kv``, a ``BatchKVCache``'s data) is written at
+        ``at[r]``, rotated for ``positions[r]`` and attends the sequence's first ``prefix[r]``
+        entries, then the rows c with ``mask[r, c]`` (within its sequence, in increasing ``at``).
+        Each row's logits are bitwise those of its tree's ``forward`` alone where ``fused_rows``
+        holds for that tree. Returns (logits [N, vocab], features [N, d], wider with
+        ``aux_layers``)."""
+        cfg = self.config
+        if self._fused is None:
+            raise JakiroError("batched verification needs the one-call kernels (smallgemm)")
+        self.check_aux_layers(aux_layers)
+        x = smallgemm.decoder_layers_ragged(self.embed_rows(input_ids), *self._fused, kv, seq, at, prefix, mask,
+                                            self.cos[positions], self.sin[positions], cfg.num_heads,
+                                            cfg.num_kv_heads, cfg.rms_norm_eps, self.scale, aux_layers,
+                                            self.input_bytes)
+        final, features = self._features(x)
+        # the head in pieces of at most SMALL_ROWS rows: the kernel a tree's own forward used
+        logits = torch.cat([self.lm_head(final[s:s + SMALL_ROWS]) for s in range(0, final.shape[0], SMALL_ROWS)])
+        return logits, features
 
     def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
         if aux_layers:  # every forward checks: the usual case returns at once

@@ -55,7 +55,7 @@ class _Service:
 
     def __init__(self, jk: Jakiro, method: str | None, model_name: str | None, max_queue: int,
                  default_max_tokens: int, api_key: str | None, max_body_bytes: int,
-                 allowed_hosts: list[str] | None):
+                 allowed_hosts: list[str] | None, parallel: int = 1, slot_tokens: int | None = None):
         self.jk, self.engine = jk, jk.engine(method)
         self.name = model_name or served_name(jk.target_path)
         self.default_max_tokens, self.api_key = default_max_tokens, api_key
@@ -68,9 +68,16 @@ class _Service:
         self.cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jakiro-encode")
         self.metrics = ServerMetrics(self.engine.proposer.max_tree_depth)
         self.scheduler = Scheduler(self.engine, max_queue, on_done=self.metrics.record,
-                                   on_cancel=self.metrics.cancelled.inc)
+                                   on_cancel=self.metrics.cancelled.inc, parallel=parallel,
+                                   slot_tokens=slot_tokens, observer=self.metrics)
         self.metrics.track_queue(self.scheduler)
         self.created = P.now()
+
+    @property
+    def context(self) -> int:
+        """The most tokens (prompt and answer) one request may take."""
+        batch = self.scheduler.batch
+        return batch.slot_tokens if batch is not None else self.jk.target.config.max_context
 
     def close(self) -> None:
         self.scheduler.close()
@@ -107,7 +114,11 @@ class _Service:
         ok = self.scheduler.alive
         body = {"status": "ok" if ok else "engine stopped", "model": self.name, "method": self.engine.method,
                 "waiting": self.scheduler.waiting, "max_queue": self.scheduler.max_queue,
-                "busy": self.scheduler.busy}
+                "busy": self.scheduler.busy, "running": self.scheduler.running,
+                "parallel": self.scheduler.parallel}
+        batch = self.scheduler.batch
+        if batch is not None:
+            body.update(slot_tokens=batch.slot_tokens, kv_cache_bytes=batch.kv_bytes)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     def model_card(self) -> dict:
@@ -145,11 +156,12 @@ class _Service:
         cfg = self.jk.target.config
         if max(ids) >= cfg.vocab_size:
             raise P.bad(f"token id {max(ids)} is outside the vocabulary ({cfg.vocab_size})", param)
-        ctx = cfg.max_context
+        ctx = self.context
         max_tokens = req.max_tokens if req.max_tokens is not None else min(self.default_max_tokens, ctx - len(ids))
         if len(ids) + max(1, max_tokens) > ctx:
             asked = f"{max_tokens} completion tokens" if req.max_tokens is not None else "at least 1 completion token"
-            raise P.APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has "
+            whose = "this model's" if ctx == cfg.max_context else "this server's (per request)"
+            raise P.APIError(400, f"{whose} maximum context length is {ctx} tokens; the prompt has "
                              f"{len(ids)} tokens and {asked} were requested",
                              "max_tokens" if req.max_tokens is not None else param, "context_length_exceeded")
         return ids, max_tokens
@@ -248,11 +260,14 @@ async def _next_event(job: Job, request: Request):
 def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = None,
                max_queue: int = 16, default_max_tokens: int = 256, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
-               docs: bool = False) -> FastAPI:
+               docs: bool = False, parallel: int = 1, slot_tokens: int | None = None) -> FastAPI:
     """The app. ``api_key``: required as ``Authorization: Bearer KEY`` on /v1 routes.
     ``allowed_hosts``: Host header names accepted (None: any), against DNS rebinding.
-    ``docs``: serve the interactive API docs (/docs, /redoc, /openapi.json)."""
-    svc = _Service(jk, method, model_name, max_queue, default_max_tokens, api_key, max_body_bytes, allowed_hosts)
+    ``docs``: serve the interactive API docs (/docs, /redoc, /openapi.json). ``parallel``:
+    requests decoded together (continuous batching), each with room for ``slot_tokens`` tokens
+    of prompt and answer (default: the model's context, at most 4,096)."""
+    svc = _Service(jk, method, model_name, max_queue, default_max_tokens, api_key, max_body_bytes, allowed_hosts,
+                   parallel, slot_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -335,12 +350,14 @@ def serve(jk: Jakiro, host: str = "127.0.0.1", port: int = 8000, method: str | N
           model_name: str | None = None, max_queue: int = 16, default_max_tokens: int = 256,
           log_level: str = "info", api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
           allowed_hosts: list[str] | None = None, docs: bool = False,
-          header_timeout: float | None = None, max_connections: int | None = None) -> None:
+          header_timeout: float | None = None, max_connections: int | None = None, parallel: int = 1,
+          slot_tokens: int | None = None) -> None:
     import uvicorn
 
     from .transport import HEADER_TIMEOUT_S, MAX_CONNECTIONS, server_config
     app = create_app(jk, method, model_name, max_queue, default_max_tokens, api_key, max_body_bytes,
-                     allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host), docs)
+                     allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host), docs,
+                     parallel, slot_tokens)
     jk.engine(method).generate("Hello", 4)  # warm-up, so that the first client is not the slow one
     config = server_config(app, host, port, log_level, header_timeout or HEADER_TIMEOUT_S,
                            max_connections or MAX_CONNECTIONS, timeout_graceful_shutdown=5)

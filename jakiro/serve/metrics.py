@@ -32,15 +32,36 @@ class ServerMetrics:
                                 "draft tokens accepted by verification (bonus tokens excluded)", registry=r)
         self.latency = Histogram("jakiro_request_seconds", "generation time per finished request",
                                  buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120), registry=r)
+        self.first_token_s = Histogram("jakiro_time_to_first_token_seconds",
+                                       "from a request's arrival to its first generated tokens",
+                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30), registry=r)
+        self.inter_token_s = Histogram("jakiro_inter_token_seconds",
+                                       "between one commit of a request's tokens and its next",
+                                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2), registry=r)
+        self.batch_size = Histogram("jakiro_batch_size", "requests decoded together per step",
+                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
         self._lock = threading.Lock()
         self._total = Metrics()  # every finished request since start
         self._total.depth_tried = [0] * draft_depth
         self._total.depth_accepted = [0] * draft_depth
         r.register(_Derived(self))
 
+    def first_token(self, seconds: float) -> None:
+        self.first_token_s.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.inter_token_s.observe(seconds)
+
+    def batch_step(self, size: int) -> None:
+        self.batch_size.observe(size)
+
     def track_queue(self, scheduler) -> None:
         Gauge("jakiro_queue_waiting", "requests waiting for the engine",
               registry=self.registry).set_function(lambda: scheduler.waiting)
+        Gauge("jakiro_requests_running", "requests being decoded",
+              registry=self.registry).set_function(lambda: scheduler.running)
+        Gauge("jakiro_parallel_slots", "requests the engine decodes together at most",
+              registry=self.registry).set_function(lambda: scheduler.parallel)
         Gauge("jakiro_engine_busy", "1 while the engine decodes a request",
               registry=self.registry).set_function(lambda: 1.0 if scheduler.busy else 0.0)
 

@@ -553,8 +553,10 @@ struct LayerCache {
   // row r goes at past + r
   int64_t batch_stride = 0;
   const int64_t* at = nullptr;
-  float* k_of(int64_t r) const { return k + r * batch_stride; }
-  float* v_of(int64_t r) const { return v + r * batch_stride; }
+  // with several rows per sequence (verifying a batch of trees), row r's sequence is seq[r]
+  const int64_t* seq = nullptr;
+  float* k_of(int64_t r) const { return k + (seq ? seq[r] : r) * batch_stride; }
+  float* v_of(int64_t r) const { return v + (seq ? seq[r] : r) * batch_stride; }
   int64_t position(int64_t r, int64_t past) const { return at ? at[r] : past + r; }
 };
 
@@ -773,32 +775,25 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const std::vector<c10::optiona
                     keep_after, input_bytes);
 }
 
-// One new token for each of B independent sequences (batched decoding): x [B, d]; sequence r's
-// keys and values are kv[:, :, r] ([layers, 2, B, Hkv, max_len, D]), its token goes at position
-// lengths[r] and attends positions 0..lengths[r], in order, as ``decoder_layers`` would decode
-// it alone.
-at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
-                                at::IntArrayRef out_features, const at::Tensor& kv, const at::Tensor& lengths,
-                                const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv, double eps,
-                                double scale, at::IntArrayRef keep_after, int64_t input_bytes) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers_batch: x must be [B, d] float32");
+// The stack over rows of independent sequences: row r belongs to sequence seq[r] (or r),
+// whose keys and values are kv[:, :, seq[r]] ([layers, 2, B, Hkv, max_len, D]); its entry goes
+// at position at[r] and it attends what vis[r] names there.
+at::Tensor run_sequences(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
+                         at::IntArrayRef out_features, const at::Tensor& kv, const int64_t* seq, const int64_t* at_pos,
+                         const std::vector<Visible>& vis, const at::Tensor& cos, const at::Tensor& sin, int64_t H,
+                         int64_t Hkv, double eps, double scale, at::IntArrayRef keep_after, int64_t input_bytes,
+                         const char* op) {
   auto x = x_in.contiguous().clone();
   const int64_t n = x.size(0), d = x.size(1), layers = static_cast<int64_t>(weights.size()) / SLOTS;
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decoder_layers_batch: head layout");
-  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kFloat && kv.size(0) == layers && kv.size(2) == n &&
-                  kv.size(3) == Hkv && kv.stride(5) == 1 && kv.stride(4) == kv.size(5) && kv.size(5) % 2 == 0 &&
-                  kv.size(5) <= 1024,
-              "decoder_layers_batch: the KV cache does not match the model and batch");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == n && lengths.scalar_type() == at::kLong &&
-                  lengths.is_contiguous(),
-              "decoder_layers_batch: lengths must be [B] int64");
-  const int64_t* at_pos = lengths.data_ptr<int64_t>();
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, op, ": head layout");
+  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kFloat && kv.size(0) == layers && kv.size(3) == Hkv &&
+                  kv.stride(5) == 1 && kv.stride(4) == kv.size(5) && kv.size(5) % 2 == 0 && kv.size(5) <= 1024,
+              op, ": the KV cache does not match the model");
   int64_t keys = 1;
-  std::vector<Visible> vis(n);
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(at_pos[r] >= 0 && at_pos[r] < kv.size(4), "KV cache overflow: a sequence is full");
-    vis[r].prefix = at_pos[r] + 1;
-    keys = std::max(keys, at_pos[r] + 1);
+    TORCH_CHECK(!seq || (seq[r] >= 0 && seq[r] < kv.size(2)), op, ": a row names a sequence the cache lacks");
+    keys = std::max(keys, vis[r].prefix + static_cast<int64_t>(vis[r].extra.size()));
   }
   Shape S{n, d, H, Hkv, kv.size(5), 0, static_cast<float>(eps), static_cast<float>(scale)};
   check_rope(cos, sin, n, S.D);
@@ -809,9 +804,66 @@ at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::o
     LayerCache c = layer_cache(kv, l);
     c.batch_stride = kv.stride(2);
     c.at = at_pos;
+    c.seq = seq;
     caches.push_back(c);
   }
   return run_layers(x, weights, S, attn, gate_up, caches, 0, cos, sin, vis, keys, keep_after, input_bytes);
+}
+
+// One new token for each of B independent sequences (batched decoding): x [B, d]; sequence r's
+// token goes at position lengths[r] and attends positions 0..lengths[r], in order, as
+// ``decoder_layers`` would decode it alone.
+at::Tensor decoder_layers_batch(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
+                                at::IntArrayRef out_features, const at::Tensor& kv, const at::Tensor& lengths,
+                                const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv, double eps,
+                                double scale, at::IntArrayRef keep_after, int64_t input_bytes) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers_batch: x must be [B, d] float32");
+  const int64_t n = x_in.size(0);
+  TORCH_CHECK(kv.dim() == 6 && kv.size(2) == n, "decoder_layers_batch: the KV cache does not match the batch");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == n && lengths.scalar_type() == at::kLong &&
+                  lengths.is_contiguous(),
+              "decoder_layers_batch: lengths must be [B] int64");
+  const int64_t* at_pos = lengths.data_ptr<int64_t>();
+  std::vector<Visible> vis(n);
+  for (int64_t r = 0; r < n; ++r) vis[r].prefix = at_pos[r] + 1;
+  return run_sequences(x_in, weights, out_features, kv, nullptr, at_pos, vis, cos, sin, H, Hkv, eps, scale, keep_after,
+                       input_bytes, "decoder_layers_batch");
+}
+
+// Several sequences' draft trees verified in one pass: x [N, d], row r of sequence seq[r] written
+// at position at[r], attending its sequence's first prefix[r] positions and then the positions
+// at[c] of the rows c with mask[r, c] (rows of one sequence in increasing at; mask [N, N] only
+// within a sequence), in that order: as ``decoder_layers`` verifies each tree alone.
+at::Tensor decoder_layers_ragged(const at::Tensor& x_in, const std::vector<c10::optional<at::Tensor>>& weights,
+                                 at::IntArrayRef out_features, const at::Tensor& kv, const at::Tensor& seq,
+                                 const at::Tensor& at_pos, const at::Tensor& prefix, const at::Tensor& mask,
+                                 const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv, double eps,
+                                 double scale, at::IntArrayRef keep_after, int64_t input_bytes) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "decoder_layers_ragged: x must be [N, d] float32");
+  const int64_t n = x_in.size(0);
+  for (const at::Tensor* t : {&seq, &at_pos, &prefix})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == n && t->scalar_type() == at::kLong && t->is_contiguous(),
+                "decoder_layers_ragged: seq, at and prefix must be [N] int64");
+  const auto m = mask.to(at::kBool).contiguous();
+  TORCH_CHECK(m.dim() == 2 && m.size(0) == n && m.size(1) == n, "decoder_layers_ragged: mask must be [N, N]");
+  const int64_t *sq = seq.data_ptr<int64_t>(), *ap = at_pos.data_ptr<int64_t>(), *pf = prefix.data_ptr<int64_t>();
+  const bool* mp = m.data_ptr<bool>();
+  std::vector<Visible> vis(n);
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(pf[r] >= 0 && pf[r] <= ap[r] && mp[r * n + r], "decoder_layers_ragged: row ", r,
+                " must see itself, after its prefix");
+    vis[r].prefix = pf[r];
+    int64_t last = pf[r] - 1;
+    for (int64_t c = 0; c < n; ++c) {
+      if (!mp[r * n + c]) continue;
+      TORCH_CHECK(sq[c] == sq[r] && ap[c] > last, "decoder_layers_ragged: row ", r,
+                  " may see only rows of its own sequence after its prefix, in increasing position");
+      vis[r].extra.push_back(ap[c]);
+      last = ap[c];
+    }
+  }
+  return run_sequences(x_in, weights, out_features, kv, sq, ap, vis, cos, sin, H, Hkv, eps, scale, keep_after,
+                       input_bytes, "decoder_layers_ragged");
 }
 
 // A draft's fusion layer and attention block (EAGLE's fc over [embedding, feature], then a
@@ -1211,6 +1263,10 @@ TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
         "int input_bytes=3) "
         "-> Tensor",
         decoder_layers_batch);
+  m.def("decoder_layers_ragged(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, Tensor seq, Tensor at, "
+        "Tensor prefix, Tensor mask, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, float eps, float scale, "
+        "int[] keep_after=[], int input_bytes=3) -> Tensor",
+        decoder_layers_ragged);
   m.def("draft_attend(Tensor features, Tensor tokens, Tensor embed, Tensor fc, Tensor? fc_bias, Tensor norm, "
         "Tensor qkv, Tensor o, Tensor kv, int past, Tensor cos_table, Tensor sin_table, Tensor positions, "
         "Tensor? mask, int num_heads, int num_kv_heads, float eps, float scale, int input_bytes=3) -> Tensor",

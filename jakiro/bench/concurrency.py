@@ -1,0 +1,98 @@
+"""Aggregate throughput under concurrent requests (``jakiro bench --concurrency 1,4,8``): for each
+method and level N, the questions' first turns are answered N at a time by the continuous-batching
+decoder (``decoding.batch``, what ``jakiro serve --parallel N`` runs), and the run reports
+aggregate tokens/s, per-request latency and time to first token, the speedup over one request at
+a time with the same method and over plain decoding, and whether every greedy answer equals its
+answer at N = 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+from ..errors import JakiroError
+from ..data.questions import read_questions
+from .runner import select_questions
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        levels = []
+    if not levels or levels[0] < 1:
+        raise JakiroError(f"--concurrency takes positive integers separated by commas (e.g. 1,4,8), got {text!r}")
+    return levels if levels[0] == 1 else [1] + levels  # N = 1 is the reference
+
+
+def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
+    """``cfg``: a ``runner.BenchConfig`` (questions, methods, target, tokens, temperature, out).
+    Writes concurrency.json and concurrency.md in ``cfg.out``; returns the summary."""
+    import torch
+
+    from ..api import load
+    from ..decoding.sampling import SamplingParams
+    for m in cfg.methods:
+        if m not in ("ar", "pld", "eagle2", "jakiro", "eagle2+pld", "jakiro+pld", "draft-model", "draft-model+pld"):
+            raise JakiroError(f"--concurrency measures the engine's methods, not {m!r}")
+    methods = cfg.methods if "ar" in cfg.methods else ["ar"] + list(cfg.methods)
+    questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)
+    prompts = [q["turns"][0] for q in questions]
+    if len(prompts) < max(levels):
+        raise JakiroError(f"{len(prompts)} questions for {max(levels)} concurrent requests: take more questions")
+    jk = load(cfg.target, cache_dir=cfg.cache_dir)
+    engines = {m: jk.add_method(m, cfg.drafts.get(m.removesuffix("+pld")), cache_dir=cfg.cache_dir,
+                                draft_model=cfg.draft_model) for m in methods}
+    sampling = SamplingParams(cfg.temperature, seed=cfg.seed) if cfg.temperature > 0 else None
+    for engine in engines.values():  # warm-up
+        engine.generate_batch(prompts[:2], 8, sampling, parallel=2)
+    rows: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    reference: dict[str, list[list[int]]] = {}
+    for n in levels:  # each level over every method before the next: drift hits all alike
+        for m in methods:
+            t0 = time.perf_counter()
+            results = engines[m].generate_batch(prompts, cfg.max_new_tokens, sampling, parallel=n)
+            wall = time.perf_counter() - t0
+            ids = [r.token_ids for r in results]
+            if n == 1:
+                reference[m] = ids
+            tokens = sum(len(i) for i in ids)
+            forwards = sum(r.metrics.target_forwards for r in results)
+            rows[m][str(n)] = {
+                "requests": len(prompts), "new_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                "tau": sum(r.metrics.committed for r in results) / forwards if forwards else 0.0,
+                "latency_s_median": statistics.median(r.metrics.total_s for r in results),
+                "first_token_s_median": statistics.median(r.metrics.prefill_s for r in results),
+                "same_as_alone": ids == reference[m],
+            }
+            if progress:
+                print(f"[concurrency] {m} N={n}: {tokens / wall:.1f} tokens/s", flush=True)
+    for m in methods:
+        one, plain = rows[m]["1"]["tokens_per_s"], rows["ar"]["1"]["tokens_per_s"]
+        for row in rows[m].values():
+            row["vs_one_at_a_time"] = row["tokens_per_s"] / one
+            row["vs_plain_one_at_a_time"] = row["tokens_per_s"] / plain
+    summary = {"target": os.path.basename(jk.target_path.rstrip("/")), "questions": cfg.questions,
+               "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+               "threads": torch.get_num_threads(), "int8_activations": jk.target.int8_activations,
+               "levels": levels, "methods": rows}
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "concurrency.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(cfg.out, "concurrency.md"), "w") as f:
+        f.write(concurrency_table(summary) + "\n")
+    return summary
+
+
+def concurrency_table(summary: dict) -> str:
+    lines = ["| method | concurrent requests | aggregate tokens/s | × one at a time | × plain, one at a time "
+             "| τ | median latency (s) | median first token (s) | answers as alone |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for m, levels in summary["methods"].items():
+        for n, r in levels.items():
+            lines.append(f"| {m} | {n} | {r['tokens_per_s']:.1f} | {r['vs_one_at_a_time']:.2f} | "
+                         f"{r['vs_plain_one_at_a_time']:.2f} | {r['tau']:.2f} | {r['latency_s_median']:.2f} | "
+                         f"{r['first_token_s_median']:.2f} | {'yes' if r['same_as_alone'] else 'no'} |")
+    return "\n".join(lines)
