@@ -319,3 +319,25 @@ def test_bench_draft_option_is_a_folder_or_method_equals_folder(tiny_draft):
     assert _bench_drafts([f"jakiro-blended={tiny_draft}"]) == {"jakiro-blended": tiny_draft}
     with pytest.raises(JakiroError, match="draft folder not found: /nonexistent/draft"):
         _bench_drafts(["/nonexistent/draft"])
+
+
+def test_concurrency_bench_reports_levels_against_one_at_a_time(tmp_path, tiny_chat_target, tiny_draft):
+    from jakiro.bench.concurrency import concurrency_table, parse_levels, run_concurrency
+    from jakiro.bench.runner import BenchConfig
+    cfg = BenchConfig(write_questions(tmp_path / "q.jsonl"), ["jakiro"], {"jakiro": tiny_draft}, max_new_tokens=6,
+                      out=str(tmp_path / "out"), target=tiny_chat_target)
+    summary = run_concurrency(cfg, parse_levels("3"), progress=False)
+    assert summary["levels"] == [1, 3] and set(summary["methods"]) == {"ar", "jakiro"}
+    for levels in summary["methods"].values():
+        assert levels["1"]["vs_one_at_a_time"] == 1.0
+        for row in levels.values():
+            assert row["requests"] == 3 and row["same_as_alone"] and row["new_tokens"] > 0
+    assert summary["first_token"]["ar"]["prompt_tokens"] <= 200 and summary["first_token"]["ar"]["running"] == 2
+    table = concurrency_table(json.load(open(tmp_path / "out" / "concurrency.json")))
+    assert "| jakiro | 3 |" in table and "first token" in table
+    with pytest.raises(JakiroError, match="positive integers"):
+        parse_levels("0,2")
+    with pytest.raises(JakiroError, match="3 questions for 4 concurrent"):
+        run_concurrency(cfg, parse_levels("4"), progress=False)
+    with pytest.raises(JakiroError, match="not 'hf'"):
+        run_concurrency(BenchConfig(cfg.questions, ["hf"], out=cfg.out, target=tiny_chat_target), [1, 2])

@@ -20,19 +20,29 @@ def _tree(tmp_path, readme: str):
         "ar": {"all": {"tokens_per_s": 90.3, "speedup": 1.0, "tau": 1.0, "greedy_match": 1.0}},
         "pld": {"all": {"tokens_per_s": 115.1, "speedup": 1.2746, "tau": 1.7, "greedy_match": 1.0}},
         "llamacpp": {"all": {"tokens_per_s": 38.6, "speedup": 0.43, "tau": None, "greedy_match": 0.14}}}}
+    conc = {"int8_activations": True,
+            "methods": {"ar": {"1": {"tokens_per_s": 100.0, "vs_one_at_a_time": 1.0, "vs_plain_one_at_a_time": 1.0,
+                                     "tau": 1.0, "same_as_alone": True},
+                               "4": {"tokens_per_s": 290.0, "vs_one_at_a_time": 2.9, "vs_plain_one_at_a_time": 2.9,
+                                     "tau": 1.0, "same_as_alone": True}}},
+            "first_token": {"ar": {"idle_s": 0.05, "loaded_s": 0.08, "running": 3, "ratio": 1.6}}}
+    (tmp_path / "docs/results/data/conc.json").write_text(json.dumps(conc))
     (tmp_path / "docs/results/data/cost.json").write_text(json.dumps(cost))
     (tmp_path / "docs/results/data/bench.json").write_text(json.dumps(bench))
     sources = [{"id": "plain-decoding", "kind": "plain-decoding", "title": "Plain decoding", "machine": "Test CPU",
                 "runs": [{"model": "m-1.5b", "file": "docs/results/data/cost.json", "command": "jakiro bench-cost x"}]},
                {"id": "methods", "kind": "methods", "title": "Methods", "machine": "Test CPU",
-                "runs": [{"model": "m", "file": "docs/results/data/bench.json", "command": "jakiro bench y"}]}]
+                "runs": [{"model": "m", "file": "docs/results/data/bench.json", "command": "jakiro bench y"}]},
+               {"id": "batching", "kind": "concurrency", "title": "Batching", "machine": "Test CPU",
+                "runs": [{"model": "m", "file": "docs/results/data/conc.json", "command": "jakiro bench z"}]}]
     (tmp_path / "docs/results/sources.json").write_text(json.dumps(sources))
     (tmp_path / "README.md").write_text(readme)
 
 
 def test_tables_are_written_between_the_markers_from_the_json(tmp_path):
     readme = ("intro\n<!-- results:plain-decoding -->\nold table\n<!-- /results:plain-decoding -->\nmiddle\n"
-              "<!-- results:methods -->\n<!-- /results:methods -->\nend\n")
+              "<!-- results:methods -->\n<!-- /results:methods -->\nend\n"
+              "<!-- results:batching -->\n<!-- /results:batching -->\n")
     _tree(tmp_path, readme)
     results.generate(str(tmp_path))
     out = (tmp_path / "README.md").read_text()
@@ -41,7 +51,9 @@ def test_tables_are_written_between_the_markers_from_the_json(tmp_path):
     assert "| m | float32-accurate | pld | 115.1 | 1.27× | 1.70 | 100% |" in out
     assert "| m | float32-accurate | llamacpp | 38.6 | 0.43× | - | 14% |" in out
     assert "Test CPU. Produced by:" in out and "jakiro bench-cost x" in out
-    assert "\nmiddle\n" in out and out.endswith("<!-- /results:methods -->\nend\n")
+    assert "\nmiddle\n" in out and "<!-- /results:methods -->\nend\n" in out
+    assert "| m | int8 | ar | 4 | 290.0 | 2.90× | 2.90× | 1.00 | yes |" in out
+    assert "| m | int8 | ar | 50 ms | 80 ms (3 running) | 1.60× |" in out
     page = (tmp_path / "docs/results/README.md").read_text()
     assert "## Plain decoding" in page and "## Methods" in page and "jakiro bench y" in page
     results.generate(str(tmp_path))  # idempotent

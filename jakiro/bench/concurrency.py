@@ -69,6 +69,14 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
             }
             if progress:
                 print(f"[concurrency] {m} N={n}: {tokens / wall:.1f} tokens/s", flush=True)
+    probe = _probe_prompt(engines["ar"], prompts, PROBE_TOKENS)
+    background = [engines["ar"].encode(p) for p in prompts[:max(levels) - 1]]
+    first_token = {}
+    for m in methods:  # a 200-token prompt arriving at an idle engine, and while N - 1 others decode
+        idle = statistics.median(_first_token_s(engines[m], [], probe, max(levels)) for _ in range(3))
+        loaded = statistics.median(_first_token_s(engines[m], background, probe, max(levels)) for _ in range(3))
+        first_token[m] = {"prompt_tokens": len(probe), "running": len(background), "idle_s": idle,
+                          "loaded_s": loaded, "ratio": loaded / idle}
     for m in methods:
         one, plain = rows[m]["1"]["tokens_per_s"], rows["ar"]["1"]["tokens_per_s"]
         for row in rows[m].values():
@@ -77,13 +85,38 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
     summary = {"target": os.path.basename(jk.target_path.rstrip("/")), "questions": cfg.questions,
                "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                "threads": torch.get_num_threads(), "int8_activations": jk.target.int8_activations,
-               "levels": levels, "methods": rows}
+               "levels": levels, "methods": rows, "first_token": first_token}
     os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "concurrency.json"), "w") as f:
         json.dump(summary, f, indent=2)
     with open(os.path.join(cfg.out, "concurrency.md"), "w") as f:
         f.write(concurrency_table(summary) + "\n")
     return summary
+
+
+PROBE_TOKENS = 200
+
+
+def _probe_prompt(engine, prompts: list[str], tokens: int) -> list[int]:
+    """A prompt of ``tokens`` ids: the questions' text, chat-templated, cut to length."""
+    ids = engine.encode("\n\n".join(prompts))
+    return ids[:tokens]
+
+
+def _first_token_s(engine, background: list[list[int]], probe: list[int], slots: int) -> float:
+    """Seconds from ``probe``'s arrival to its first new token, with ``background`` requests
+    decoding (past their prompts) in the same batch."""
+    room = max(len(i) for i in [probe, *background]) + 256
+    batch = engine.batch(slots, room)
+    for ids in background:  # long enough not to end during the measurement
+        batch.add(ids, room - len(ids))
+    for _ in range(4):
+        batch.step()
+    t0 = time.perf_counter()
+    seq = batch.add(probe, 4)
+    while not seq.generated:
+        batch.step()
+    return time.perf_counter() - t0
 
 
 def concurrency_table(summary: dict) -> str:
@@ -95,4 +128,10 @@ def concurrency_table(summary: dict) -> str:
             lines.append(f"| {m} | {n} | {r['tokens_per_s']:.1f} | {r['vs_one_at_a_time']:.2f} | "
                          f"{r['vs_plain_one_at_a_time']:.2f} | {r['tau']:.2f} | {r['latency_s_median']:.2f} | "
                          f"{r['first_token_s_median']:.2f} | {'yes' if r['same_as_alone'] else 'no'} |")
+    if summary.get("first_token"):
+        lines += ["", "| method | prompt tokens | first token, idle (s) | first token, others running (s) | ratio |",
+                  "|---|---|---|---|---|"]
+        for m, f in summary["first_token"].items():
+            lines.append(f"| {m} | {f['prompt_tokens']} | {f['idle_s']:.3f} | {f['loaded_s']:.3f} "
+                         f"(with {f['running']}) | {f['ratio']:.2f} |")
     return "\n".join(lines)

@@ -61,7 +61,31 @@ def methods_table(runs: list[dict], root: str) -> list[str]:
     return rows
 
 
-TABLES = {"plain-decoding": plain_decoding_table, "methods": methods_table}
+def concurrency_table(runs: list[dict], root: str) -> list[str]:
+    """One row per method and level of each ``jakiro bench --concurrency`` run: aggregate tokens/s,
+    against one request at a time (same method) and against plain decoding one at a time, τ, and
+    whether every answer equals its answer alone; then the first token of a 200-token prompt
+    arriving at an idle engine and while the others decode."""
+    rows = ["| model | inputs | method | requests together | aggregate tokens/s | × one at a time "
+            "| × plain, one at a time | τ | answers as alone |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    first = ["| model | inputs | method | first token, idle | first token, others decoding | ratio |",
+             "|---|---|---|---:|---:|---:|"]
+    for run in runs:
+        d = _load(run["file"], root)
+        mode = "int8" if d.get("int8_activations") else "float32-accurate"
+        for method, levels in d["methods"].items():
+            for n, r in levels.items():
+                rows.append(f"| {run['model']} | {mode} | {method} | {n} | {_num(r['tokens_per_s'])} "
+                            f"| {_x(r['vs_one_at_a_time'])} | {_x(r['vs_plain_one_at_a_time'])} "
+                            f"| {_num(r['tau'], 2)} | {'yes' if r['same_as_alone'] else 'no'} |")
+        for method, f in d.get("first_token", {}).items():
+            first.append(f"| {run['model']} | {mode} | {method} | {f['idle_s'] * 1000:.0f} ms "
+                         f"| {f['loaded_s'] * 1000:.0f} ms ({f['running']} running) | {_x(f['ratio'])} |")
+    return rows + ([""] + first if len(first) > 2 else [])
+
+
+TABLES = {"plain-decoding": plain_decoding_table, "methods": methods_table, "concurrency": concurrency_table}
 
 
 def render(source: dict, root: str) -> list[str]:
