@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import JakiroError
-from .target import TargetConfig, _load_state_dict, rope_tables
+from .target import TargetConfig, rope_tables
+from .target_weights import load_state_dict
 
 
 class FeatureModel(torch.nn.Module):
@@ -34,7 +35,7 @@ class FeatureModel(torch.nn.Module):
         self.config = cfg = TargetConfig.from_hf(hf_config, os.path.basename(os.path.normpath(folder)))
         cfg.check_aux_layers(aux_layers)
         self.aux_layers = tuple(aux_layers)
-        state = _load_state_dict(folder)
+        state = load_state_dict(folder)
         prefix = "model." if any(k.startswith("model.") for k in state) else ""
 
         def take(key: str) -> torch.Tensor:
