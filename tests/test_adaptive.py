@@ -9,7 +9,7 @@ import torch
 
 from jakiro.decoding.adaptive import PROBE_SHARE, AdaptiveProposer, CostTable
 from jakiro.decoding.engine import Engine, Metrics
-from jakiro.decoding.proposers import DraftProposer, TreeBudget
+from jakiro.decoding.proposers import DraftProposer, PromptLookupProposer, TreeBudget
 from jakiro.decoding.tree import build_tree, chain_tree
 from jakiro.decoding.verify import Verdict
 from test_speculative_greedy import assert_same, random_draft
@@ -509,3 +509,17 @@ def test_cost_timing_primes_and_keeps_prompt_sized_forwards_apart():
     assert list(times) == list(sizes)  # in the order asked
     per_call = PRIMING_CALLS + 1
     assert seen == [1] * per_call + [4] * per_call + [SMALL_ROWS + 1] * per_call
+
+
+def test_in_a_batch_a_tree_is_priced_by_what_it_adds_to_the_batched_forward():
+    costs = CostTable({1: 10.0, 2: 10.5, 4: 11.0, 8: 14.0, 16: 20.0}, {1: 1.0, 2: 2.0})
+    assert costs.beside(0) is costs
+    in_batch = costs.beside(4)  # four rows of other requests in the same forward
+    assert in_batch.target(1) == pytest.approx(costs.target(5) - costs.target(4))
+    assert in_batch.target(4) == pytest.approx(3.0)  # 8 rows cost 14, 4 rows 11
+    assert in_batch.draft(2) == costs.draft(2)  # a request's own draft is not shared
+    proposer = AdaptiveProposer(None, None, costs=costs, lookup=PromptLookupProposer())
+    proposer.in_batch(4)
+    assert proposer.costs.target(4) == pytest.approx(3.0)
+    proposer.in_batch(0)
+    assert proposer.costs is costs

@@ -37,7 +37,7 @@ import json
 import math
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -124,6 +124,16 @@ class CostTable:
         """What a proposal costs more when it first catches up on ``pending`` committed positions
         instead of the two of a typical cycle."""
         return _at(self.catch_up_ms, pending) if pending > 2 and self.catch_up_ms else 0.0
+
+    def beside(self, rows: int) -> "CostTable":
+        """What one request adds to a batched forward that verifies ``rows`` tokens of other
+        requests (``decoding.batch``): each target entry becomes the cost of n more rows, so that
+        a draft pays only where its tokens beat a plain step's share of the batch. The draft's
+        proposal is the request's own and costs what it costs."""
+        if rows <= 0:
+            return self
+        base = self.target(rows)
+        return replace(self, target_ms={n: self.target(rows + n) - base for n in self.target_ms}, drafted_ms={})
 
     def as_dict(self) -> dict:
         def rounded(table: dict, digits: int) -> dict:
@@ -358,7 +368,7 @@ class AdaptiveProposer(Proposer):
         if costs is None and adaptive:
             store = cost_store_path(target, inner, self.max_tree_tokens, cache_dir) if keep_costs else None
             costs = measure_costs(target, inner, max_tree_tokens=self.max_tree_tokens, store=store)
-        self.costs = costs
+        self.costs = self._own_costs = costs  # ``costs``: as they apply now (``in_batch``)
         self.name = inner.name + ("+pld" if lookup else "") if inner else lookup.name
         self.needs_features = inner is not None
         self.aux_layers = inner.aux_layers if inner else ()
@@ -403,6 +413,10 @@ class AdaptiveProposer(Proposer):
     def set_sampling(self, params, generator=None) -> None:
         if self.inner:
             self.inner.set_sampling(params, generator)
+
+    def in_batch(self, rows: int) -> None:
+        if self.costs is not None:
+            self.costs = self._own_costs.beside(rows)
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         if self.inner:

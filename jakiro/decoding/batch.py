@@ -103,7 +103,10 @@ class BatchDecoder:
             whole = not self.target.fused_rows(len(seq.ids), tree=False)
             if seq.prefill(None if whole else self.prefill_piece):
                 out.append(self._advance(seq))
-        trees = [(seq, seq.propose()) for seq in ready if not seq.finish]
+        live = [seq for seq in ready if not seq.finish]
+        for seq in live:  # a plain step's share of the batch is what a draft competes with
+            seq.proposer.in_batch(len(live) - 1)
+        trees = [(seq, seq.propose()) for seq in live]
         together = [(seq, tree) for seq, tree in trees if self.target.fused_rows(tree.size)]
         for seq, tree in trees:
             if not self.target.fused_rows(tree.size):

@@ -28,6 +28,10 @@ class Proposer:
     def start(self, max_len: int) -> None:
         """Prepare for a request whose sequence will not exceed ``max_len`` tokens."""
 
+    def in_batch(self, rows: int) -> None:
+        """The next proposal will be verified beside ``rows`` tokens of other requests in one
+        forward (``batch``; 0: alone): a proposer that sizes its trees by cost prices them so."""
+
     def fork(self) -> "Proposer":
         """A proposer for another request decoded alongside this one's (``batch``): the same
         weights, tables and settings, its own request state. Proposers inside it are forked

@@ -10,6 +10,7 @@ import hmac
 import json
 import os
 import re
+import sys
 import time
 
 from fastapi import FastAPI, Request
@@ -359,6 +360,10 @@ def serve(jk: Jakiro, host: str = "127.0.0.1", port: int = 8000, method: str | N
                      allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host), docs,
                      parallel, slot_tokens)
     jk.engine(method).generate("Hello", 4)  # warm-up, so that the first client is not the slow one
+    batch = app.state.scheduler.batch
+    if batch is not None:
+        print(f"[jakiro] --parallel {batch.slots}: {batch.slots} slots of {batch.slot_tokens} tokens, KV cache "
+              f"{batch.kv_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
     config = server_config(app, host, port, log_level, header_timeout or HEADER_TIMEOUT_S,
                            max_connections or MAX_CONNECTIONS, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
