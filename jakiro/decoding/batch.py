@@ -6,8 +6,10 @@ goes in by pieces, one per step, so the running ones keep flowing.
 
 Each request's greedy answer is the one it gets alone: a row's sums do not depend on the rows
 beside it (the kernels never mix rows), a tree the one-call stack would not take alone is verified
-alone, and a prompt goes in by pieces only where the one-call stack takes it whole. Sampled
-requests draw from their own seeded generator."""
+alone, and a prompt goes in by pieces only where the one-call stack takes it whole. Cost-aware
+drafting prices a tree by what it adds to the batched forward (``Proposer.in_batch``), which
+changes trees, not greedy answers; a sampled request with a seed keeps its trees as alone and
+draws from its own generator, so it draws what it draws alone."""
 
 from __future__ import annotations
 
@@ -104,8 +106,10 @@ class BatchDecoder:
             if seq.prefill(None if whole else self.prefill_piece):
                 out.append(self._advance(seq))
         live = [seq for seq in ready if not seq.finish]
-        for seq in live:  # a plain step's share of the batch is what a draft competes with
-            seq.proposer.in_batch(len(live) - 1)
+        for seq in live:  # a plain step's share of the batch is what a draft competes with; a
+            # seeded sampled request keeps its trees as alone, so that its draws are too
+            seeded = not seq.params.greedy and seq.params.seed is not None
+            seq.proposer.in_batch(0 if seeded else len(live) - 1)
         trees = [(seq, seq.propose()) for seq in live]
         together = [(seq, tree) for seq, tree in trees if self.target.fused_rows(tree.size)]
         for seq, tree in trees:
