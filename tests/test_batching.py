@@ -18,7 +18,8 @@ PROMPTS = ["Write a haiku about the sea.", "List three prime numbers and say why
            "Summarise this: " + " ".join(f"Item {i} is a small red box that holds {i} marbles." for i in range(14))]
 
 
-@pytest.mark.parametrize("method", ["ar", "pld", "eagle2", "jakiro"])
+@pytest.mark.parametrize("method", ["ar", pytest.param("pld", marks=pytest.mark.slow),
+                                    pytest.param("eagle2", marks=pytest.mark.slow), "jakiro"])
 def test_batched_greedy_answers_equal_each_answer_alone(smol, method):
     from jakiro.decoding.batch import PREFILL_PIECE, BatchDecoder
     engine = smol.engine(method)
