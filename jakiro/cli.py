@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target_args(b)
     b.add_argument("--questions", required=True, help="question JSONL path, 'mt-bench' or 'humaneval' (from the installed packages)")
     b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,eagle2+pld,jakiro+pld,"
-                   "draft-model,draft-model+pld,llamacpp,llamacpp-pld (llama.cpp's server, built by "
+                   "draft-model,draft-model+pld,llamacpp,llamacpp-pld,llamacpp-draft (llama.cpp's server, built by "
                    "scripts/build_llama_cpp.sh),jakiro-blended,"
                    "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static,jakiro-serial (-fixed: the draft's fixed "
                    "tree every cycle; -static: the --static-tree; -serial: a real last draft step instead of the "

@@ -1,7 +1,9 @@
 """llama.cpp as a baseline: its ``llama-server`` on the same GGUF file and threads, asked for the
 same prompt tokens, greedy or sampled, beside our methods (``jakiro bench --methods
 ar,llamacpp,llamacpp-pld``). ``llamacpp`` is plain decoding; ``llamacpp-pld`` its n-gram
-speculation over the prompt and answer (``--spec-type ngram-simple``), llama.cpp's prompt lookup.
+speculation over the prompt and answer (``--spec-type ngram-simple``), llama.cpp's prompt lookup;
+``llamacpp-draft`` its speculative decoding with a small model of the family (``--spec-type
+draft-simple --spec-draft-model``, its default of 3 drafted tokens), as ``draft-model`` here.
 
 The binaries come from ``scripts/build_llama_cpp.sh`` (llama.cpp from the source PyPI's
 ``llama-cpp-python`` vendors), found in ``$JAKIRO_LLAMA_CPP`` or ``<cache>/llama.cpp/bin``."""
@@ -19,7 +21,9 @@ import urllib.request
 
 from ..errors import JakiroError
 
-SERVER_OPTIONS = {"llamacpp": (), "llamacpp-pld": ("--spec-type", "ngram-simple")}
+DRAFT_FILE = "{draft}"  # stands for the draft model's GGUF file in SERVER_OPTIONS
+SERVER_OPTIONS = {"llamacpp": (), "llamacpp-pld": ("--spec-type", "ngram-simple"),
+                  "llamacpp-draft": ("--spec-type", "draft-simple", "--spec-draft-model", DRAFT_FILE)}
 
 
 def binaries(cache: str | None = None) -> str:

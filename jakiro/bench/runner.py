@@ -17,7 +17,7 @@ from ..models import quant
 from ..data.questions import read_questions
 
 HF_METHODS = ("hf", "hf-pld")
-LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld")  # llama.cpp's server on the same GGUF file (bench.llamacpp)
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld", "llamacpp-draft")  # llama.cpp's server on the same GGUF file (bench.llamacpp)
 # benchmark names for a method with options: Jakiro's blended candidates, drafts on their fixed tree
 VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
             "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False}),
@@ -139,9 +139,28 @@ class _Answerer:
         for m in cfg.methods:
             if m in LLAMACPP_METHODS:
                 from ..models.gguf_file import source_file
-                from .llamacpp import SERVER_OPTIONS, LlamaServer
-                self.llama[m] = LlamaServer(source_file(jk.target_path), torch.get_num_threads(), SERVER_OPTIONS[m],
+                from .llamacpp import DRAFT_FILE, SERVER_OPTIONS, LlamaServer
+                options = SERVER_OPTIONS[m]
+                if DRAFT_FILE in options:  # the same small model as our draft-model method
+                    draft_file = self.draft_model_file(cfg, jk)
+                    options = tuple(draft_file if o == DRAFT_FILE else o for o in options)
+                self.llama[m] = LlamaServer(source_file(jk.target_path), torch.get_num_threads(), options,
                                             cache=cfg.cache_dir)
+
+    @staticmethod
+    def draft_model_file(cfg: BenchConfig, jk) -> str:
+        """The GGUF file of the draft-model methods' small model (``--draft-model``, default the
+        named target's own), for llama.cpp's speculative decoding."""
+        from ..models import registry
+        from ..models.gguf_file import is_gguf_folder, source_file
+        from ..models.hub import resolve_target
+        name = cfg.draft_model or registry.default_draft_for(jk.target_path)
+        if name is None:
+            raise JakiroError("llamacpp-draft needs a draft model: pass --draft-model NAME|PATH")
+        folder = resolve_target(name, cfg.cache_dir)
+        if not is_gguf_folder(folder):
+            raise JakiroError(f"llamacpp-draft needs the draft model as a GGUF file, not {folder}")
+        return source_file(folder)
 
     def close(self) -> None:
         for server in self.llama.values():
