@@ -6,7 +6,8 @@ import os
 from typing import Callable, Iterator
 
 from .decoding.engine import Engine, GenerationResult
-from .decoding.proposers import DraftProposer, PromptLookupProposer, Proposer, TreeBudget
+from .decoding.proposers import PromptLookupProposer, Proposer, TreeBudget
+from .decoding.draft_proposer import DraftProposer
 from .decoding.sampling import SamplingParams
 from .errors import JakiroError
 from .methods import METHODS

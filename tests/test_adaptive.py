@@ -9,7 +9,8 @@ import torch
 
 from jakiro.decoding.adaptive import PROBE_SHARE, AdaptiveProposer, CostTable
 from jakiro.decoding.engine import Engine, Metrics
-from jakiro.decoding.proposers import DraftProposer, PromptLookupProposer, TreeBudget
+from jakiro.decoding.proposers import PromptLookupProposer, TreeBudget
+from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.decoding.tree import build_tree, chain_tree
 from jakiro.decoding.verify import Verdict
 from test_speculative_greedy import assert_same, random_draft

@@ -112,7 +112,8 @@ def test_fused_draft_step_matches_torch_operations(tmp_path, target, method):
 def test_catch_up_without_attention_for_all_but_the_newest_row(tmp_path, target, method):
     """A long catch-up (a prompt) writes the keys and values of every row but attends only from
     the newest: the same cache entries and the same draft output there as a full forward."""
-    from jakiro.decoding.proposers import DraftProposer, TreeBudget
+    from jakiro.decoding.proposers import TreeBudget
+    from jakiro.decoding.draft_proposer import DraftProposer
     model, folder = saved(tmp_path, target, method)
     draft = load_draft(folder, target)
     with torch.no_grad():

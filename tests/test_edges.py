@@ -5,7 +5,8 @@ import torch
 
 from helpers import CharTokenizer, TargetTreeProposer, make_tiny_target
 from jakiro.decoding.engine import Engine
-from jakiro.decoding.proposers import DraftProposer, TreeBudget
+from jakiro.decoding.proposers import TreeBudget
+from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.draft import DraftConfig, DraftModel
 from jakiro.models.target import TargetModel
 

@@ -7,7 +7,8 @@ import torch
 
 from helpers import make_tiny_target
 from jakiro.decoding.engine import Engine
-from jakiro.decoding.proposers import DraftProposer, TreeBudget
+from jakiro.decoding.proposers import TreeBudget
+from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
 from jakiro.errors import JakiroError
 from jakiro.models.target import TargetModel

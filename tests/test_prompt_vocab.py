@@ -3,7 +3,8 @@
 import torch
 
 from jakiro.decoding.engine import Engine
-from jakiro.decoding.proposers import PROMPT_VOCAB_MAX, DraftProposer, TreeBudget
+from jakiro.decoding.proposers import TreeBudget
+from jakiro.decoding.draft_proposer import PROMPT_VOCAB_MAX, DraftProposer
 
 from test_speculative_greedy import assert_same, random_draft
 from test_static_tree import draft_tree

@@ -11,7 +11,8 @@ import torch
 from helpers import CharTokenizer, TargetTreeProposer, make_tiny_target
 from jakiro.decoding import verify as verify_module
 from jakiro.decoding.engine import Engine
-from jakiro.decoding.proposers import DraftProposer, TreeBudget
+from jakiro.decoding.proposers import TreeBudget
+from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.decoding.sampling import SamplingParams, processed_probs
 from jakiro.decoding.tree import build_tree
 from jakiro.decoding.verify import Verdict

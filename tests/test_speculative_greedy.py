@@ -6,7 +6,8 @@ import torch
 
 from helpers import TargetTreeProposer, needs_int8_activations, spec_bench_prompts
 from jakiro.decoding.engine import Engine
-from jakiro.decoding.proposers import DraftProposer, PromptLookupProposer, TreeBudget
+from jakiro.decoding.proposers import PromptLookupProposer, TreeBudget
+from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
 
 N_PROMPTS, N_TOKENS = 20, 128
@@ -117,9 +118,9 @@ def test_draft_reads_only_the_prompts_last_window(tiny, monkeypatch):
     proposes exactly what it proposes when given just those positions (positions count from its
     cache, so the rows read keep their relative positions), its cost estimate counts only them,
     and greedy decoding still equals plain decoding."""
-    from jakiro.decoding import proposers
+    from jakiro.decoding import draft_proposer
     root, target, tok, prompts, reference = tiny
-    monkeypatch.setattr(proposers, "PROMPT_WINDOW", 6)
+    monkeypatch.setattr(draft_proposer, "PROMPT_WINDOW", 6)
     draft = random_draft(root, target, "eagle2", {}, "window-draft")
     gen = torch.Generator().manual_seed(3)
     feats = torch.randn(20, draft.feature_width, generator=gen)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from jakiro.decoding.engine import Engine
-from jakiro.decoding.proposers import DraftProposer, TreeBudget
+from jakiro.decoding.proposers import TreeBudget
+from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.decoding.static_tree import PRESETS, StaticTree, parse_tree, validate_paths
 from jakiro.errors import JakiroError
 from test_speculative_greedy import assert_same, random_draft

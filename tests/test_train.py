@@ -415,7 +415,8 @@ def test_decoding_tau_during_training_is_real_greedy_decoding(tmp_path, tiny_set
     held-out prompts: rerunning the saved draft through an engine gives the same τ."""
     from helpers import CharTokenizer
     from jakiro.decoding.engine import Engine
-    from jakiro.decoding.proposers import DraftProposer, TreeBudget
+    from jakiro.decoding.proposers import TreeBudget
+    from jakiro.decoding.draft_proposer import DraftProposer
     from jakiro.draft import load_draft
     import jakiro.api
     monkeypatch.setattr(jakiro.api, "load_tokenizer", lambda folder: CharTokenizer())

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from helpers import make_tiny_target
-from jakiro.decoding.proposers import DraftProposer, PromptLookupProposer, TreeBudget
+from jakiro.decoding.proposers import PromptLookupProposer, TreeBudget
+from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.decoding.tree import build_tree, chain_tree, select_nodes
 from jakiro.draft import DraftConfig, DraftModel
 from jakiro.models.target import TargetModel

@@ -30,7 +30,8 @@ from sampled_chain_ab import development_prompts  # noqa: E402
 
 from jakiro.api import shipped_draft  # noqa: E402
 from jakiro.decoding.engine import Engine  # noqa: E402
-from jakiro.decoding.proposers import DraftProposer, Proposer, TreeBudget  # noqa: E402
+from jakiro.decoding.proposers import Proposer, TreeBudget  # noqa: E402
+from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.decoding.tree import DRAFT, chain_tree  # noqa: E402
 from jakiro.draft import load_draft  # noqa: E402
 

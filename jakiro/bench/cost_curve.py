@@ -64,7 +64,8 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
     after a target forward (as in decoding), one whole proposal with the draft's default tree, and
     a two-token chain proposal (the kind ``jakiro tune`` picks here) right after a target forward."""
     from ..api import shipped_draft
-    from ..decoding.proposers import DraftProposer, TreeBudget
+    from ..decoding.proposers import TreeBudget
+    from ..decoding.draft_proposer import DraftProposer
     from ..draft import load_draft
 
     draft = load_draft(shipped_draft(method), jk.target)

@@ -117,7 +117,8 @@ class _Tuning:
 
     def engine_for(self, row: dict):
         from ..decoding.engine import Engine
-        from ..decoding.proposers import DraftProposer, TreeBudget
+        from ..decoding.proposers import TreeBudget
+        from ..decoding.draft_proposer import DraftProposer
         proposer = DraftProposer(self.model, TreeBudget(row["depth"], row["top_k"], row["total_tokens"]),
                                  parallel_decoding=row.get("parallel_decoding"), head_vocab=row.get("draft_vocab"))
         return Engine(self.jk.target, self.jk.tokenizer, proposer)

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .costs import forward_ms, interleaved_ms, monotone, prefilled_cache
-from .proposers import DraftProposer, PromptLookupProposer, Proposer
+from .proposers import PromptLookupProposer, Proposer
+from .draft_proposer import DraftProposer
 from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree, kept_proposals
 
 PROBE_AFTER = 4  # plain steps before drafting again, doubled after each probe that did not pay

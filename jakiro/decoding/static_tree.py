@@ -12,7 +12,10 @@ import json
 import os
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import JakiroError
+from .tree import DRAFT, Tree, build_tree
 
 MAX_DEPTH = 16
 MAX_NODES = 255  # the target's RoPE slack past the context bounds the nodes of one tree
@@ -92,3 +95,66 @@ def parse_tree(spec: str) -> StaticTree:
     except (OSError, ValueError) as exc:
         raise JakiroError(f"{ref}: not a JSON list of paths ({exc})") from None
     return StaticTree(os.path.basename(ref), validate_paths(paths, ref))
+
+
+def fill_static_tree(proposer, context: list[int], out, base: int) -> Tree:
+    """Fill the static tree level by level: the children of all nodes at one level come from
+    one draft forward of those nodes (rank r = the node's r-th candidate); with parallel
+    decoding the last level comes from the contrastive branch of the level above's parents."""
+    st, draft, cache = proposer.static, proposer.draft, proposer.cache
+    tokens, parents, scores = [context[-1]], [-1], [0.0]
+    node_of: dict[tuple, int] = {(): 0}
+    output_of: dict[tuple, tuple] = {(): (out, 0)}  # forwarded node -> (draft output, row)
+    slots_of: dict[tuple, list[int]] = {(): []}  # scratch slots of a node's forwarded ancestors-or-self
+    carried: dict[tuple, tuple] = {}  # node -> (feature that proposed it, its token)
+    n_slots = 0
+    available = proposer.head.size
+    for level in range(1, st.depth + 1):
+        kids = [c for c in st.at_depth(level) if c[:-1] in node_of]
+        if not kids:
+            break
+        contrastive = proposer.parallel and level == st.depth
+        sources = list(dict.fromkeys(c[:-2] if contrastive else c[:-1] for c in kids))
+        k = min(max(c[-1] for c in kids) + 1, available)
+        outs = output_of[sources[0]][0]  # every source was forwarded together
+        rows = torch.tensor([output_of[p][1] for p in sources])
+        if contrastive:
+            tok, logp = proposer._contrastive_children(outs, rows, k)
+            feats = None
+        else:
+            tok, logp, feats = proposer._children(outs, rows, k)
+        for c in kids:
+            rank = c[-1]
+            if rank >= tok.shape[1]:
+                continue  # a rank beyond what the draft can supply
+            i = sources.index(c[:-2] if contrastive else c[:-1])
+            parent = node_of[c[:-1]]
+            node_of[c] = len(tokens)
+            tokens.append(int(tok[i, rank]))
+            parents.append(parent)
+            scores.append(scores[parent] + float(logp[i, rank]))
+            if feats is not None:
+                carried[c] = (feats[i, rank], int(tok[i, rank]))
+        below = [c for c in st.at_depth(level + 1) if c[:-1] in node_of]
+        if not below or (proposer.parallel and level + 1 == st.depth):
+            continue  # nothing to forward: no next level, or it comes from the contrastive branch
+        forward = list(dict.fromkeys(c[:-1] for c in below))
+        P = len(forward)
+        mask = torch.zeros(P, n_slots + P, dtype=torch.bool)
+        for j, p in enumerate(forward):
+            slots_of[p] = slots_of[p[:-1]] + [n_slots + j]
+            mask[j, slots_of[p]] = True
+        attn = torch.cat((torch.ones(P, base, dtype=torch.bool), mask), 1)
+        in_feats = torch.stack([carried[p][0] for p in forward])
+        in_tokens = torch.tensor([carried[p][1] for p in forward])
+        o = draft(in_feats.unsqueeze(0), in_tokens.unsqueeze(0), torch.full((P,), base + level - 1), cache, attn)
+        cache.commit(P)
+        proposer.draft_forwards += 1
+        n_slots += P
+        for j, p in enumerate(forward):
+            output_of[p] = (o, j)
+    cache.truncate(base)
+    tree = build_tree(torch.tensor(tokens), torch.tensor(parents))
+    tree.scores = torch.tensor(scores)
+    tree.sources = torch.tensor([0] + [DRAFT] * (tree.size - 1))
+    return tree

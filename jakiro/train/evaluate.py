@@ -16,7 +16,8 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     out (folders built for evaluation only)."""
     from ..api import load_tokenizer
     from ..decoding.engine import Engine
-    from ..decoding.proposers import DraftProposer, TreeBudget
+    from ..decoding.proposers import TreeBudget
+    from ..decoding.draft_proposer import DraftProposer
     from ..draft import load_draft
     from ..errors import JakiroError
     from ..models.hub import resolve_target

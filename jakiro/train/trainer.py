@@ -383,7 +383,8 @@ class Trainer:
         sizing) on the first user turns of held-out records: committed tokens per target forward."""
         from ..api import load_tokenizer
         from ..decoding.engine import Engine
-        from ..decoding.proposers import DraftProposer, TreeBudget
+        from ..decoding.proposers import TreeBudget
+        from ..decoding.draft_proposer import DraftProposer
         if self._tau_engine is None:
             self._tau_engine = Engine(self.target, load_tokenizer(self.target_dir),
                                       DraftProposer(self.model, TreeBudget()))
