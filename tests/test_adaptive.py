@@ -114,7 +114,7 @@ def test_cost_differences_are_paired_within_each_round(monkeypatch):
     sampled in every round, and a difference the table keeps (a forward after a proposal vs after
     a forward, a long context vs a short one, a catch-up vs a typical proposal) is the median of
     the differences within rounds, so it comes out exact."""
-    from jakiro.decoding import adaptive
+    from jakiro.decoding import costs
 
     pace = iter([1.0, 3.0, 1.0, 5.0, 2.0] * 4)
     now = {"pace": 1.0}
@@ -133,10 +133,10 @@ def test_cost_differences_are_paired_within_each_round(monkeypatch):
         def __init__(self, length):
             self.length = length
 
-    monkeypatch.setattr(adaptive, "prefilled_cache", lambda target, context, scratch: Cache(context))
-    monkeypatch.setattr(adaptive, "forward_ms", forward_ms)
-    monkeypatch.setattr(adaptive, "_draft_costs", draft_costs)
-    monkeypatch.setattr(adaptive, "_prepared", lambda *a, **k: ([1, 2], lambda: None))
+    monkeypatch.setattr(costs, "prefilled_cache", lambda target, context, scratch: Cache(context))
+    monkeypatch.setattr(costs, "forward_ms", forward_ms)
+    monkeypatch.setattr(costs, "_draft_costs", draft_costs)
+    monkeypatch.setattr(costs, "_prepared", lambda *a, **k: ([1, 2], lambda: None))
 
     class Target:
         class config:
@@ -146,13 +146,13 @@ def test_cost_differences_are_paired_within_each_round(monkeypatch):
         max_tree_tokens = 4
         budget = TreeBudget(2, 2, 3)
 
-    c = adaptive.measure_costs(Target(), Proposer(), context=32, long_context=256, rounds=5)
+    c = costs.measure_costs(Target(), Proposer(), context=32, long_context=256, rounds=5)
     assert c.target_ms[1] == pytest.approx(2.0 * 1.1)  # the median pace
     assert all(c.drafted_ms[n] - c.target_ms[n] == pytest.approx(0.5) for n in c.target_ms)
     assert all(v * 224 == pytest.approx(3.0) for v in c.target_slope.values())
     assert c.draft_slope[2] * 224 == pytest.approx(2.0)
     assert c.catch_up_ms[34] == pytest.approx(1.0) and c.catch_up_ms[258] == pytest.approx(8.0)
-    assert c.cycle_ms == pytest.approx(adaptive.CYCLE_SHARE * c.target_ms[1])
+    assert c.cycle_ms == pytest.approx(costs.CYCLE_SHARE * c.target_ms[1])
 
 
 def test_cost_rounds_are_kept_per_setup_and_shared_by_later_loads(monkeypatch, tmp_path):
@@ -161,7 +161,7 @@ def test_cost_rounds_are_kept_per_setup_and_shared_by_later_loads(monkeypatch, t
     measures only ``FEW_ROUNDS``, and only the newest ``STORE_ROUNDS`` are kept. A store that is
     unreadable, or measured other sizes, is measured afresh and rewritten."""
     import json
-    from jakiro.decoding import adaptive
+    from jakiro.decoding import costs
 
     now = {"pace": 1.0}
 
@@ -173,26 +173,26 @@ def test_cost_rounds_are_kept_per_setup_and_shared_by_later_loads(monkeypatch, t
         class config:
             max_context = 2048
 
-    monkeypatch.setattr(adaptive, "prefilled_cache", lambda target, context, scratch: Cache(context))
-    monkeypatch.setattr(adaptive, "forward_ms", lambda target, cache, repeats, sizes, before=None, warmup=2, primed=0:
+    monkeypatch.setattr(costs, "prefilled_cache", lambda target, context, scratch: Cache(context))
+    monkeypatch.setattr(costs, "forward_ms", lambda target, cache, repeats, sizes, before=None, warmup=2, primed=0:
                         {n: now["pace"] * (1.0 + 0.1 * n) for n in sizes})
     store = tmp_path / "costs" / "setup.json"
 
     def load(pace, tree_tokens=4):
         now["pace"] = pace
-        table = adaptive.measure_costs(Target(), None, max_tree_tokens=tree_tokens, store=str(store))
+        table = costs.measure_costs(Target(), None, max_tree_tokens=tree_tokens, store=str(store))
         return table.target_ms[1], len(json.loads(store.read_text())["rounds"])
 
-    assert load(1.0) == (pytest.approx(1.1), adaptive.MEASURE_ROUNDS)
-    assert load(10.0) == (pytest.approx((1.1 + 11.0) / 2), 2 * adaptive.MEASURE_ROUNDS)  # five slow rounds of ten
-    assert adaptive.STORED_ENOUGH <= 2 * adaptive.MEASURE_ROUNDS
-    assert load(1.0) == (pytest.approx(1.1), 2 * adaptive.MEASURE_ROUNDS + adaptive.FEW_ROUNDS)
-    for _ in range(adaptive.STORE_ROUNDS):
+    assert load(1.0) == (pytest.approx(1.1), costs.MEASURE_ROUNDS)
+    assert load(10.0) == (pytest.approx((1.1 + 11.0) / 2), 2 * costs.MEASURE_ROUNDS)  # five slow rounds of ten
+    assert costs.STORED_ENOUGH <= 2 * costs.MEASURE_ROUNDS
+    assert load(1.0) == (pytest.approx(1.1), 2 * costs.MEASURE_ROUNDS + costs.FEW_ROUNDS)
+    for _ in range(costs.STORE_ROUNDS):
         t1, kept = load(3.0)
-    assert (t1, kept) == (pytest.approx(3.3), adaptive.STORE_ROUNDS)  # the oldest rounds dropped
+    assert (t1, kept) == (pytest.approx(3.3), costs.STORE_ROUNDS)  # the oldest rounds dropped
     store.write_text("{not json")
-    assert load(2.0) == (pytest.approx(2.2), adaptive.MEASURE_ROUNDS)
-    assert load(5.0, tree_tokens=8) == (pytest.approx(5.5), adaptive.MEASURE_ROUNDS)  # other sizes: not mixed
+    assert load(2.0) == (pytest.approx(2.2), costs.MEASURE_ROUNDS)
+    assert load(5.0, tree_tokens=8) == (pytest.approx(5.5), costs.MEASURE_ROUNDS)  # other sizes: not mixed
 
 
 def test_a_cost_store_is_shared_by_the_same_setup_only(tiny, tmp_path):

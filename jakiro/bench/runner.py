@@ -167,7 +167,7 @@ class _Answerer:
             server.close()
 
     def cost_tables(self) -> dict:
-        """Each cost-aware engine's cost table (``decoding.adaptive.CostTable.as_dict``)."""
+        """Each cost-aware engine's cost table (``decoding.costs.CostTable.as_dict``)."""
         return {m: e.proposer.costs.as_dict() for m, e in self.engines.items()
                 if getattr(e.proposer, "costs", None) is not None}
 
