@@ -148,3 +148,24 @@ def test_parallel_server_refuses_prompts_beyond_a_slot(parallel_server):
     status, body = post(parallel_server, "/v1/completions", {"model": parallel_server.model, "prompt": "word " * 1100, "max_tokens": 8})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert "1024 tokens" in body["error"]["message"]
+
+
+def test_a_full_parallel_server_answers_429_with_retry_after(smol):
+    import http.client
+
+    from jakiro.serve.app import create_app
+    from test_serve import CHAT, get, hang_up, msg, open_stream, wait_idle
+    app = create_app(smol, "ar", max_queue=1, parallel=2, slot_tokens=1024)
+    with ServerThread(app) as srv:
+        running = [open_stream(srv, 3, max_tokens=900) for _ in range(2)]  # both slots decode ...
+        waiting = open_stream(srv, 1, max_tokens=900)  # ... one request waits ...
+        health = json.loads(get(srv, "/health")[1])
+        assert (health["running"], health["waiting"]) == (2, 1)
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)  # ... and the next is refused
+        conn.request("POST", CHAT, json.dumps(msg(max_tokens=8)), {"Content-Type": "application/json"})
+        res = conn.getresponse()
+        assert res.status == 429 and res.getheader("Retry-After") == "1"
+        assert json.loads(res.read())["error"]["code"] == "rate_limit_exceeded"
+        for c in running + [waiting]:
+            hang_up(c)
+        assert wait_idle(srv, timeout=10)
