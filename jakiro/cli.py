@@ -228,7 +228,7 @@ def cmd_bench(args) -> int:
         from .bench.concurrency import concurrency_table, parse_levels, run_concurrency
         print(concurrency_table(run_concurrency(cfg, parse_levels(args.concurrency))))
         return 0
-    from .bench.runner import markdown_table
+    from .bench.summary import markdown_table
     summary = run_bench(cfg)
     print(markdown_table(summary))
     return 0

@@ -15,6 +15,7 @@ from ..errors import JakiroError
 from ..methods import METHODS
 from ..models import quant
 from ..data.questions import read_questions
+from .summary import markdown_table, plot_summary, summarize  # noqa: F401 (markdown_table: imported from here too)
 
 HF_METHODS = ("hf", "hf-pld")
 LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld", "llamacpp-draft")  # llama.cpp's server on the same GGUF file (bench.llamacpp)
@@ -337,107 +338,3 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
             json.dump(settings, f, indent=2)
         open(os.path.join(cfg.out, PROGRESS), "w").close()
     return records, done
-
-
-def _aggregate(turns: list[dict]) -> dict:
-    from ..decoding.engine import Metrics
-    out = {"answers": len(turns), "new_tokens": sum(t["new_tokens"] for t in turns),
-           "seconds": sum(t["total_s"] for t in turns)}
-    out["tokens_per_s"] = out["new_tokens"] / out["seconds"] if out["seconds"] else 0.0
-    if all("prefill_s" in t for t in turns):  # the answer alone: a long prompt's prefill, the same for
-        out["prefill_s"] = sum(t["prefill_s"] for t in turns)  # every method, dilutes the speedup
-        decode_s = out["seconds"] - out["prefill_s"]
-        out["decode_tokens_per_s"] = out["new_tokens"] / decode_s if decode_s > 0 else 0.0
-    if "committed" in turns[0]:  # our engine's answers (Hugging Face's carry times and tokens only)
-        m = Metrics.total(Metrics.from_dict(t) for t in turns)
-        out.update(tau=m.tau, target_forwards=m.target_forwards, accept_rate_per_depth=m.accept_rate_per_depth,
-                   draft_s=m.draft_s, target_s=m.target_s,
-                   draft_fraction=m.draft_s / max(1e-9, m.draft_s + m.target_s),
-                   plain_steps=m.plain_steps,  # cycles that drafted nothing
-                   accepted_from={src: m.accepted_from.get(src, 0) for src in ("draft", "lookup", "both")})
-    else:
-        out["tau"] = None
-    covered = [t["head_coverage"] for t in turns if "head_coverage" in t]
-    if covered:  # share of answer tokens the draft's head holds: its vocabulary alone, with the prompt's tokens, and the answer's
-        n = sum(c["tokens"] for c in covered)
-        out["head_coverage"] = {k: sum(c.get(k, c["with_prompt"]) for c in covered) / n
-                                for k in ("draft_vocab", "with_prompt", "with_answer")}
-    return out
-
-
-def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
-    categories = sorted({r["category"] for r in records["ar"]})
-    ar_turns = {(r["question_id"], i): t for r in records["ar"] for i, t in enumerate(r["turns"])}
-    result = {"config": {k: v for k, v in cfg.__dict__.items() if k != "int8_activations"}, "threads": torch.get_num_threads(),
-              "quantized_weights": quant.enabled(), "int8_activations": cfg.int8_activations, "methods": {}}
-    for m, rows in records.items():
-        per_cat = {}
-        for cat in categories + ["all"]:
-            sel = [r for r in rows if cat == "all" or r["category"] == cat]
-            turns = [t for r in sel for t in r["turns"]]
-            agg = _aggregate(turns)
-            if cfg.temperature == 0:
-                same = [t["token_ids"] == ar_turns[(r["question_id"], i)]["token_ids"]
-                        for r in sel for i, t in enumerate(r["turns"])]
-                agg["greedy_match"] = sum(same) / len(same)
-            per_cat[cat] = agg
-        result["methods"][m] = per_cat
-    for m, per_cat in result["methods"].items():
-        for cat, agg in per_cat.items():
-            base = result["methods"]["ar"][cat]
-            agg["speedup"] = agg["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
-            if agg.get("decode_tokens_per_s") and base.get("decode_tokens_per_s"):
-                agg["decode_speedup"] = agg["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-    return result
-
-
-def markdown_table(summary: dict) -> str:
-    methods = list(summary["methods"])
-    cats = list(summary["methods"]["ar"])
-    lines = ["| method | category | tokens/s | speedup | decode speedup | tau | plain steps "
-             "| accepted from draft / lookup / both | greedy match |", "|---|---|---|---|---|---|---|---|---|"]
-    for m in methods:
-        for c in cats:
-            a = summary["methods"][m][c]
-            tau = f"{a['tau']:.2f}" if a.get("tau") is not None else "-"
-            gm = f"{a['greedy_match']:.2f}" if "greedy_match" in a else "-"
-            plain = f"{a['plain_steps']}/{a['target_forwards']}" if "plain_steps" in a else "-"
-            src = "/".join(str(a["accepted_from"][k]) for k in ("draft", "lookup", "both")) if "accepted_from" in a else "-"
-            dec = f"{a['decode_speedup']:.2f}x" if "decode_speedup" in a else "-"
-            lines.append(f"| {m} | {c} | {a['tokens_per_s']:.1f} | {a['speedup']:.2f}x | {dec} | {tau} | {plain} "
-                         f"| {src} | {gm} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_summary(summary: dict, out: str) -> None:
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
-    methods = list(summary["methods"])
-    cats = list(summary["methods"]["ar"])
-    for key, fname in (("speedup", "speedup.png"), ("tau", "tau.png")):
-        fig = Figure(figsize=(max(6, len(cats) * 1.2), 4))
-        ax = fig.subplots()
-        width = 0.8 / len(methods)
-        for i, m in enumerate(methods):
-            vals = [summary["methods"][m][c].get(key) or 0 for c in cats]
-            ax.bar([j + i * width for j in range(len(cats))], vals, width, label=m)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, rotation=30, ha="right")
-        ax.set_ylabel(key)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, fname), dpi=100)
-    fig = Figure(figsize=(6, 4))
-    ax = fig.subplots()
-    plotted = False
-    for m in methods:
-        rates = summary["methods"][m]["all"].get("accept_rate_per_depth")
-        if rates and m != "ar":
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=m)
-            plotted = True
-    ax.set_xlabel("draft depth")
-    ax.set_ylabel("acceptance rate")
-    if plotted:
-        ax.legend(fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no speculative method in this run", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "acceptance.png"), dpi=100)
