@@ -49,26 +49,12 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
     for engine in engines.values():  # warm-up
         engine.generate_batch(prompts[:2], 8, sampling, parallel=2)
     rows: dict[str, dict[str, dict]] = {m: {} for m in methods}
-    reference: dict[str, list[list[int]]] = {}
     for n in levels:  # each level over every method before the next: drift hits all alike
         for m in methods:
-            t0 = time.perf_counter()
-            results = engines[m].generate_batch(prompts, cfg.max_new_tokens, sampling, parallel=n)
-            wall = time.perf_counter() - t0
-            ids = [r.token_ids for r in results]
-            if n == 1:
-                reference[m] = ids
-            tokens = sum(len(i) for i in ids)
-            forwards = sum(r.metrics.target_forwards for r in results)
-            rows[m][str(n)] = {
-                "requests": len(prompts), "new_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                "tau": sum(r.metrics.committed for r in results) / forwards if forwards else 0.0,
-                "latency_s_median": statistics.median(r.metrics.total_s for r in results),
-                "first_token_s_median": statistics.median(r.metrics.prefill_s for r in results),
-                "same_as_alone": ids == reference[m],
-            }
+            rows[m][str(n)] = _level(engines[m], prompts, cfg.max_new_tokens, sampling, n,
+                                     rows[m]["1"]["token_ids"] if n > 1 else None)
             if progress:
-                print(f"[concurrency] {m} N={n}: {tokens / wall:.1f} tokens/s", flush=True)
+                print(f"[concurrency] {m} N={n}: {rows[m][str(n)]['tokens_per_s']:.1f} tokens/s", flush=True)
     probe = _probe_prompt(engines["ar"], prompts, PROBE_TOKENS)
     background = [engines["ar"].encode(p) for p in prompts[:max(levels) - 1]]
     first_token = {}
@@ -80,6 +66,7 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
     for m in methods:
         one, plain = rows[m]["1"]["tokens_per_s"], rows["ar"]["1"]["tokens_per_s"]
         for row in rows[m].values():
+            row.pop("token_ids", None)
             row["vs_one_at_a_time"] = row["tokens_per_s"] / one
             row["vs_plain_one_at_a_time"] = row["tokens_per_s"] / plain
     summary = {"target": os.path.basename(jk.target_path.rstrip("/")), "questions": cfg.questions,
@@ -92,6 +79,22 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
     with open(os.path.join(cfg.out, "concurrency.md"), "w") as f:
         f.write(concurrency_table(summary) + "\n")
     return summary
+
+
+def _level(engine, prompts: list[str], max_new_tokens: int, sampling, n: int, alone: list | None) -> dict:
+    """Every prompt answered ``n`` at a time: aggregate and per-request figures, and whether the
+    answers are ``alone``'s (those at N = 1; None: this is N = 1)."""
+    t0 = time.perf_counter()
+    results = engine.generate_batch(prompts, max_new_tokens, sampling, parallel=n)
+    wall = time.perf_counter() - t0
+    ids = [r.token_ids for r in results]
+    tokens = sum(len(i) for i in ids)
+    forwards = sum(r.metrics.target_forwards for r in results)
+    return {"requests": len(prompts), "new_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "tau": sum(r.metrics.committed for r in results) / forwards if forwards else 0.0,
+            "latency_s_median": statistics.median(r.metrics.total_s for r in results),
+            "first_token_s_median": statistics.median(r.metrics.prefill_s for r in results),
+            "same_as_alone": alone is None or ids == alone, "token_ids": ids}
 
 
 PROBE_TOKENS = 200
