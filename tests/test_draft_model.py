@@ -83,3 +83,15 @@ def test_load_refuses_a_mismatched_or_missing_draft_model(tmp_path):
         "hello there", max_new_tokens=16)
     plain = jakiro.load(target=target, cache_dir=str(tmp_path)).generate("hello there", max_new_tokens=16)
     assert res.token_ids == plain.token_ids and res.metrics.tau > 1.0
+
+
+def test_requests_decoded_together_get_their_answers_alone(tiny, other_model):
+    """Continuous batching with a draft model: each request drafts with its own fork of the
+    proposer (its own draft KV cache) and gets plain decoding's answer."""
+    from jakiro.decoding.batch import BatchDecoder
+    _, target, tok, prompts, reference = tiny
+    proposer = DraftModelProposer(other_model, num_tokens=4, min_prob=0.0, lookup=PromptLookupProposer(num_tokens=4))
+    batch = BatchDecoder(Engine(target, tok, proposer).decoder, 3, slot_tokens=400)
+    answers = batch.decode([(p, len(ref), None, None) for p, ref in zip(prompts[:5], reference)])
+    assert [a.token_ids for a in answers] == reference[:5]
+    assert sum(a.metrics.committed for a in answers) > sum(a.metrics.target_forwards for a in answers)
