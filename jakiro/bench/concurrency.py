@@ -13,6 +13,7 @@ import statistics
 import time
 
 from ..errors import JakiroError
+from ..methods import METHODS
 from ..data.questions import read_questions
 from .runner import select_questions
 
@@ -35,7 +36,7 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
     from ..api import load
     from ..decoding.sampling import SamplingParams
     for m in cfg.methods:
-        if m not in ("ar", "pld", "eagle2", "jakiro", "eagle2+pld", "jakiro+pld", "draft-model", "draft-model+pld"):
+        if m not in METHODS:
             raise JakiroError(f"--concurrency measures the engine's methods, not {m!r}")
     methods = cfg.methods if "ar" in cfg.methods else ["ar"] + list(cfg.methods)
     questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)

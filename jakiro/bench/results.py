@@ -44,14 +44,19 @@ def plain_decoding_table(runs: list[dict], root: str) -> list[str]:
     return rows
 
 
+def _run_data(runs: list[dict], root: str):
+    """Each run with its JSON and the input mode it ran in."""
+    for run in runs:
+        d = _load(run["file"], root)
+        yield run, d, "int8" if d.get("int8_activations") else "float32-accurate"
+
+
 def methods_table(runs: list[dict], root: str) -> list[str]:
     """One row per method of each ``jakiro bench`` run: tokens/s (prompts' prefill included),
     the speedup over our plain decoding in the same run, τ, and the answers' agreement with it."""
     rows = ["| model | inputs | method | tokens/s | speedup | τ | same text as plain |",
             "|---|---|---|---:|---:|---:|---:|"]
-    for run in runs:
-        d = _load(run["file"], root)
-        mode = "int8" if d.get("int8_activations") else "float32-accurate"
+    for run, d, mode in _run_data(runs, root):
         for method, per_cat in d["methods"].items():
             agg = per_cat["all"]
             same = agg.get("greedy_match")
@@ -71,9 +76,7 @@ def concurrency_table(runs: list[dict], root: str) -> list[str]:
             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     first = ["| model | inputs | method | first token, idle | first token, others decoding | ratio |",
              "|---|---|---|---:|---:|---:|"]
-    for run in runs:
-        d = _load(run["file"], root)
-        mode = "int8" if d.get("int8_activations") else "float32-accurate"
+    for run, d, mode in _run_data(runs, root):
         for method, levels in d["methods"].items():
             for n, r in levels.items():
                 rows.append(f"| {run['model']} | {mode} | {method} | {n} | {_num(r['tokens_per_s'])} "

@@ -111,9 +111,11 @@ class BatchDecoder:
             seeded = not seq.params.greedy and seq.params.seed is not None
             seq.proposer.in_batch(0 if seeded else len(live) - 1)
         trees = [(seq, seq.propose()) for seq in live]
-        together = [(seq, tree) for seq, tree in trees if self.target.fused_rows(tree.size)]
+        together = []
         for seq, tree in trees:
-            if not self.target.fused_rows(tree.size):
+            if self.target.fused_rows(tree.size):
+                together.append((seq, tree))
+            else:
                 seq.verify_alone(tree)
         if together:
             self._verify_together(together)

@@ -256,24 +256,22 @@ class TargetModel:
         """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the
         uncommitted tree tokens of the last verification forward."""
         cfg = self.config
-        cfg.check_length(max_len)
-        if scratch > ROPE_SLACK:
-            raise JakiroError(f"draft trees are limited to {ROPE_SLACK} tokens, got {scratch}")
-        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len + scratch, self.dtype)
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self._cache_room(max_len, scratch), self.dtype)
 
     def new_batch_cache(self, batch: int, max_len: int, scratch: int = 0) -> BatchKVCache:
         """A cache for ``batch`` independent sequences of up to ``max_len`` tokens each (plus
         ``scratch`` slots each for the uncommitted tokens of a verification forward)."""
         cfg = self.config
-        cfg.check_length(max_len)
+        return BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch, self._cache_room(max_len, scratch),
+                            self.dtype)
+
+    def _cache_room(self, max_len: int, scratch: int) -> int:
+        """Entries a sequence's cache holds: ``max_len`` within the context, ``scratch`` within the
+        rotary tables' slack past it."""
+        self.config.check_length(max_len)
         if scratch > ROPE_SLACK:
             raise JakiroError(f"draft trees are limited to {ROPE_SLACK} tokens, got {scratch}")
-        return BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch, max_len + scratch, self.dtype)
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of keys and values one token of one sequence holds in the cache."""
-        cfg = self.config
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(self.dtype).bits // 8
+        return max_len + scratch
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()

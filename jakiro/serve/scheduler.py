@@ -57,7 +57,6 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._on_done, self._on_cancel = on_done, on_cancel
-        self.busy = False
         self._thread = threading.Thread(target=self._run, name="jakiro-engine", daemon=True)
         self._thread.start()
 
@@ -67,6 +66,11 @@ class Scheduler:
         with self._cond:
             self._drop_cancelled()
             return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        """Whether the engine is decoding a request."""
+        return self.running > 0
 
     @property
     def alive(self) -> bool:
@@ -117,14 +121,14 @@ class Scheduler:
             job = self._next()
             if job is None:
                 return
-            self.busy, self.running = True, 1
+            self.running = 1
             try:
                 self._serve(job)
             except BaseException as exc:  # one failing request never takes the worker down
                 traceback.print_exc()
                 job.emit("error", exc)
             finally:
-                self.busy, self.running = False, 0
+                self.running = 0
 
     def _serve(self, job: Job) -> None:
         stream = self.engine.stream(job.ids, job.max_tokens, job.sampling, job.stop)
@@ -194,7 +198,7 @@ class Scheduler:
                     del active[seq]
                     if self._on_cancel:
                         self._on_cancel()
-            self.running, self.busy = len(active), bool(active)
+            self.running = len(active)
             if not active:
                 continue
             if self.observer is not None:
@@ -207,7 +211,7 @@ class Scheduler:
                     self.batch.remove(seq)
                     job.emit("error", exc)
                 active.clear()
-                self.running, self.busy = 0, False
+                self.running = 0
                 continue
             for event in events:
                 job, text = active[event.sequence]
@@ -224,4 +228,4 @@ class Scheduler:
                     if self._on_done:
                         self._on_done(result)
                     job.emit("done", result)
-            self.running, self.busy = len(active), bool(active)
+            self.running = len(active)
