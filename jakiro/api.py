@@ -206,8 +206,8 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     from .models.target import TargetModel
 
     if method is None and draft is not None:
-        from .draft.checkpoint import read_draft_config
-        method = read_draft_config(draft).method
+        from .draft.checkpoint import draft_method
+        method = draft_method(draft)
     method = method or "ar"
     budget = tree_budget(depth, top_k, total_tokens)
     check_method_options(method, budget, tree)  # before the target loads: bad options fail fast

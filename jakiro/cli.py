@@ -194,12 +194,12 @@ def cmd_train(args) -> int:
 
 def _bench_drafts(items: list[str]) -> dict[str, str]:
     """bench --draft values: a draft folder (used for its own method) or METHOD=FOLDER."""
-    from .draft.checkpoint import read_draft_config
+    from .draft.checkpoint import draft_method
     drafts = {}
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or os.path.isdir(item):
-            name, path = read_draft_config(item).method, item
+            name, path = draft_method(item), item
         drafts[name] = path
     return drafts
 
@@ -255,8 +255,15 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .draft.eagle3_format import export
+    for path in export(args.draft, args.format, args.out, args.target, args.cache_dir, args.dtype):
+        print(path)
+    return 0
+
+
 COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "tune": cmd_tune, "bench": cmd_bench, "generate": cmd_generate, "bench-cost": cmd_bench_cost, "data": cmd_data, "train": cmd_train,
-            "eval-draft": cmd_eval_draft, "models": cmd_models}
+            "eval-draft": cmd_eval_draft, "models": cmd_models, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

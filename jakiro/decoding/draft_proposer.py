@@ -76,7 +76,7 @@ class DraftProposer(Proposer):
             budget = TreeBudget(static.depth, len(static.paths), len(static.paths))
         self.draft, self.budget = draft, budget
         self.name = cfg.method
-        self.mode = "single" if cfg.method == "eagle2" else (candidate_mode or cfg.candidate_mode)
+        self.mode = "single" if cfg.method != "jakiro" else (candidate_mode or cfg.candidate_mode)
         if self.mode not in ("single", "decoupled", "blended"):
             raise ValueError(f"unknown candidate mode {self.mode!r}")
         self.parallel = cfg.parallel_decoding if parallel_decoding is None else parallel_decoding

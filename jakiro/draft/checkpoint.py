@@ -8,6 +8,7 @@ import os
 
 from ..errors import JakiroError
 from .config import DraftConfig
+from .eagle3_format import is_eagle3_folder, read_eagle3
 from .model import DraftModel
 
 
@@ -25,18 +26,27 @@ def save_draft(model: DraftModel, folder: str, extra: dict | None = None) -> Non
         json.dump(cfg, f, indent=2)
 
 
-def read_draft_config(folder: str) -> DraftConfig:
+def read_draft_config(folder: str, target_config=None) -> DraftConfig:
+    """A draft folder's config: jakiro's own, or an EAGLE-3 folder in the public layout (its
+    target's config names the default streams where the folder does not)."""
     path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
         raise JakiroError(f"draft folder not found: {folder}")
     if not os.path.exists(path):
         raise JakiroError(f"{folder} is not a draft checkpoint (no config.json)")
+    if is_eagle3_folder(folder):
+        return read_eagle3(folder, target_config, weights=False)[0]
     try:
         with open(path) as f:
             data = json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise JakiroError(f"cannot read draft config {path}: {exc}") from None
     return DraftConfig.from_json_dict(data)
+
+
+def draft_method(folder: str) -> str:
+    """The method a draft folder runs (``eagle3`` for an EAGLE-3 folder in the public layout)."""
+    return "eagle3" if is_eagle3_folder(folder) else read_draft_config(folder).method
 
 
 def check_compatible(config: DraftConfig, target_config) -> None:
@@ -61,6 +71,11 @@ def load_draft(folder: str, target=None) -> DraftModel:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    if is_eagle3_folder(folder):  # trained elsewhere, in the layout vLLM, SGLang and llama.cpp load
+        config, state = read_eagle3(folder, None if target is None else target.config)
+        if target is not None:
+            check_compatible(config, target.config)
+        return _finish(DraftModel(config), state, target)
     config = read_draft_config(folder)
     if target is not None:
         check_compatible(config, target.config)
@@ -71,7 +86,12 @@ def load_draft(folder: str, target=None) -> DraftModel:
         state = load_file(weights)
     except (SafetensorError, OSError, ValueError) as exc:
         raise JakiroError(f"corrupted draft weights {weights}: {exc}") from None
-    model = DraftModel(config)
+    return _finish(DraftModel(config), state, target)
+
+
+def _finish(model: DraftModel, state: dict, target) -> DraftModel:
+    """Check ``state`` against the model its config describes, load it and attach the target."""
+    config = model.config
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

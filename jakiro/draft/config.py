@@ -6,7 +6,9 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import JakiroError
 
-DRAFT_METHODS = ("eagle2", "jakiro")
+DRAFT_METHODS = ("eagle2", "jakiro", "eagle3")
+# the layout vLLM, SGLang, SpecForge and llama.cpp load: it reads exactly three residual streams
+EAGLE3_STREAMS = 3
 CANDIDATE_MODES = ("decoupled", "blended")
 
 
@@ -38,9 +40,9 @@ class DraftConfig:
         if self.candidate_mode not in CANDIDATE_MODES:
             raise JakiroError(f"unknown candidate mode {self.candidate_mode!r} "
                               f"(choose from {', '.join(CANDIDATE_MODES)})")
-        if self.method == "eagle2":
+        if self.method in ("eagle2", "eagle3"):
             if self.num_experts != 1 or self.experts_per_token != 1 or self.parallel_decoding:
-                raise JakiroError("an eagle2 draft has one dense MLP: no experts, no parallel decoding")
+                raise JakiroError(f"an {self.method} draft has one dense MLP: no experts, no parallel decoding")
         else:
             if self.experts_per_token < 2:
                 raise JakiroError(f"jakiro needs at least 2 activated experts, got {self.experts_per_token}")
@@ -50,6 +52,9 @@ class DraftConfig:
         self.aux_layers = [int(a) for a in self.aux_layers]
         if self.aux_layers != sorted(set(self.aux_layers)) or any(a < 1 for a in self.aux_layers):
             raise JakiroError(f"aux_layers must be increasing layer counts >= 1, got {self.aux_layers}")
+        if self.method == "eagle3" and len(self.aux_layers) != EAGLE3_STREAMS:
+            raise JakiroError(f"an eagle3 draft reads {EAGLE3_STREAMS} residual streams of the target (--aux-layers, "
+                              f"e.g. 2,L/2,L-3 for L layers), got {self.aux_layers or 'none'}")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise JakiroError(f"draft_vocab_size must be in 1..{self.vocab_size}, got {self.draft_vocab_size}")
 
@@ -72,6 +77,9 @@ class DraftConfig:
             rope_parameters=rope,
             target_name=target_config.name,
         )
+        if method == "eagle3":
+            n = target_config.num_layers
+            kwargs["aux_layers"] = [2, n // 2, n - 3]  # the loaders' default streams
         if method == "jakiro":
             kwargs.update(num_experts=2, experts_per_token=2, parallel_decoding=True)
         kwargs.update(overrides)

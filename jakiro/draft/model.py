@@ -139,11 +139,17 @@ class DraftModel(nn.Module):
         super().__init__()
         self.config = c = config
         d, H, Hkv, D = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.fc = nn.Linear(2 * d, d, bias=True)
+        eagle3 = c.method == "eagle3"
+        # EAGLE-2: fc fuses (embedding, feature) into the residual; EAGLE-3: fc maps the target's
+        # three streams to the first step's input g, and attention reads (norm(embedding), norm(g))
+        self.fc = nn.Linear(len(c.aux_layers) * d, d, bias=False) if eagle3 else nn.Linear(2 * d, d, bias=True)
         self.input_norm = nn.Parameter(torch.ones(d))
-        self.q_proj = nn.Linear(d, H * D, bias=False)
-        self.k_proj = nn.Linear(d, Hkv * D, bias=False)
-        self.v_proj = nn.Linear(d, Hkv * D, bias=False)
+        attn_in = 2 * d if eagle3 else d
+        if eagle3:
+            self.hidden_norm = nn.Parameter(torch.ones(d))
+        self.q_proj = nn.Linear(attn_in, H * D, bias=False)
+        self.k_proj = nn.Linear(attn_in, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(attn_in, Hkv * D, bias=False)
         self.o_proj = nn.Linear(H * D, d, bias=False)
         self.post_norm = nn.Parameter(torch.ones(d))
         n_exp = c.num_experts
@@ -155,8 +161,11 @@ class DraftModel(nn.Module):
             self.router = nn.Linear(d, n_exp, bias=False)
             if c.parallel_decoding:
                 self.con_router = nn.Linear(d, n_exp, bias=False)
-        if c.aux_layers:  # mid-layer streams -> the first step's input feature
+        if c.aux_layers and not eagle3:  # mid-layer streams -> the first step's input feature
             self.aux_proj = nn.Linear(len(c.aux_layers) * d, d, bias=False)
+        if eagle3:  # its own final norm and head over the draft vocabulary
+            self.norm = nn.Parameter(torch.ones(d))
+            self.lm_head = nn.Parameter(torch.empty(c.draft_vocab_size or c.vocab_size, d))
         if c.draft_vocab_size is not None:
             self.register_buffer("d2t", torch.arange(c.draft_vocab_size, dtype=torch.long))
         self.reset_parameters()
@@ -178,7 +187,10 @@ class DraftModel(nn.Module):
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             nn.init.normal_(lin.weight, std=std)
         nn.init.normal_(self.fc.weight, std=std)
-        nn.init.zeros_(self.fc.bias)
+        if self.fc.bias is not None:
+            nn.init.zeros_(self.fc.bias)
+        if hasattr(self, "lm_head"):
+            nn.init.normal_(self.lm_head, std=std)
         nn.init.normal_(self.gate_up, std=std)
         nn.init.normal_(self.down, std=std)
         for name in ("router", "con_router"):
@@ -201,18 +213,29 @@ class DraftModel(nn.Module):
         d = self.config.hidden_size
         if not self.config.aux_layers:
             return features[..., :d], None
-        if features.shape[-1] != self.feature_width:
-            raise JakiroError(f"this draft reads the target's features and its residual streams after layers "
-                              f"{self.config.aux_layers} ({self.feature_width} values per token), got "
-                              f"{features.shape[-1]}")
+        self._check_width(features)
+        if self.config.method == "eagle3":  # the first step reads fc(streams), not the final feature
+            return features[..., :d], None
         streams = features[..., d:].unflatten(-1, (len(self.config.aux_layers), d))
         streams = F.rms_norm(streams, (d,), eps=self.config.rms_norm_eps).flatten(-2)
         return features[..., :d], self._linear("aux_proj", streams, (self.aux_proj.weight,))
 
-    def input_features(self, features: torch.Tensor) -> torch.Tensor:
+    def _check_width(self, features: torch.Tensor) -> None:
+        if features.shape[-1] != self.feature_width:
+            raise JakiroError(f"this draft reads the target's features and its residual streams after layers "
+                              f"{self.config.aux_layers} ({self.feature_width} values per token), got "
+                              f"{features.shape[-1]}")
+
+    def input_features(self, features: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
         """What the first draft step reads at committed positions: the final feature plus the
-        mid-layer streams' part."""
+        mid-layer streams' part (and ``noise``, training's); EAGLE-3: fc over the three streams."""
+        if self.config.method == "eagle3":
+            self._check_width(features)
+            g = self._linear("fc_in", features[..., self.config.hidden_size:], (self.fc.weight,))
+            return g if noise is None else g + noise
         final, extra = self.split_features(features)
+        if noise is not None:
+            extra = noise if extra is None else noise + extra
         return final if extra is None else final + extra
 
     # ------------------------------------------------------------------ target coupling
@@ -271,11 +294,18 @@ class DraftModel(nn.Module):
         prompt: tokens a prompt holds are far likelier in its answer than their overall frequency
         says, and the target's head scores every token, so the draft's predicted feature scores
         them too). The plain vocabulary heads are built once and kept."""
-        base = self._heads.get(limit)
+        own = self.config.method == "eagle3"  # its own rows (kept while they do not change)
+        key = (limit, self.lm_head.data_ptr(), self.lm_head._version) if own else limit
+        base = self._heads.get(key)
         if base is None:
-            base = self._heads[limit] = DraftHead(self._vocab_order()[:limit], self._lm_head, self._head_blocks,
-                                                  weight=self.head_weight[:limit])
-        if extra is None:
+            if own:
+                weight = self.lm_head.detach()[:limit]
+                base = DraftHead(self._vocab_order()[:limit], weight, None, weight=weight)
+            else:
+                base = DraftHead(self._vocab_order()[:limit], self._lm_head, self._head_blocks,
+                                 weight=self.head_weight[:limit])
+            self._heads[key] = base
+        if extra is None or self.config.method == "eagle3":  # its head has the draft vocabulary's rows only
             return base
         ids = self.head_ids(limit, extra)
         return base if len(ids) == base.size else DraftHead(ids, self._lm_head, self._head_blocks, base=base)
@@ -284,6 +314,8 @@ class DraftModel(nn.Module):
         """``head(limit, extra)`` for a request whose head ``head`` was built from the first
         entries of ``extra``: the groups of 16 rows the two share keep their layout, only the
         rows after them (the new tokens and the padding) are laid out."""
+        if self.config.method == "eagle3":
+            return head
         ids = self.head_ids(limit, extra)
         if torch.equal(ids, head.ids):
             return head
@@ -297,9 +329,13 @@ class DraftModel(nn.Module):
 
     def head_logits(self, features: torch.Tensor, head: "DraftHead | int | None" = None) -> torch.Tensor:
         """[..., d] -> [..., V'] logits over ``head``'s rows: a ``DraftHead``, or the draft
-        vocabulary (its first ``head`` most frequent entries for an int)."""
+        vocabulary (its first ``head`` most frequent entries for an int). EAGLE-3 scores its own
+        final norm of the features with its own head."""
+        if self.config.method == "eagle3":
+            features = F.rms_norm(features, (features.shape[-1],), self.norm, self.config.rms_norm_eps)
         if self.training or torch.is_grad_enabled():
-            weight = head.weight if isinstance(head, DraftHead) else self.head_weight[:head]
+            own = self.lm_head if self.config.method == "eagle3" else self.head_weight
+            weight = head.weight if isinstance(head, DraftHead) else own[:head]
             return F.linear(features, weight)
         flat = features.reshape(-1, features.shape[-1])
         return self._head_of(head)(flat).view(*features.shape[:-1], -1)
@@ -311,7 +347,7 @@ class DraftModel(nn.Module):
         than one expert: the MLP is the only expert's)."""
         c = self.config
         if (self.training or torch.is_grad_enabled() or not smallgemm.available() or len(self.gate_up) != 1
-                or self.post_norm.dtype != torch.float32):
+                or self.post_norm.dtype != torch.float32 or c.method == "eagle3"):
             return None
         gate_up = self._fast_layer("gate_up0", (self.gate_up[0],)).kernel_weight
         down = self._fast_layer("down0", (self.down[0],)).kernel_weight
@@ -458,7 +494,13 @@ class DraftModel(nn.Module):
         return x + self._linear("o", o.transpose(1, 2)[b, j].reshape(-1, H * D), (self.o_proj.weight,))
 
     def _fusion(self, features: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """EAGLE's fusion of (x_{t+1}, f_t) into the residual x, and x normalised for attention."""
+        """EAGLE's fusion of (x_{t+1}, f_t) into the residual x, and x normalised for attention;
+        EAGLE-3: the residual is g = f_t itself, attention reads (norm(embedding), norm(g))."""
+        c = self.config
+        if c.method == "eagle3":
+            emb = F.rms_norm(self._embedding(token_ids), (c.hidden_size,), self.input_norm, c.rms_norm_eps)
+            g = F.rms_norm(features, (c.hidden_size,), self.hidden_norm, c.rms_norm_eps)
+            return features, torch.cat((emb, g), -1)
         x = self._linear("fc", torch.cat((self._embedding(token_ids), features), -1), (self.fc.weight,),
                          self.fc.bias)
         return x, F.rms_norm(x, (self.config.hidden_size,), self.input_norm, self.config.rms_norm_eps)
@@ -495,7 +537,7 @@ class DraftModel(nn.Module):
         where that path does not apply: training, batches, prompts, no kernel)."""
         B, T, d = features.shape
         if (cache is None or B != 1 or T > SMALL_ROWS or self.training or torch.is_grad_enabled()
-                or not smallgemm.available()):
+                or not smallgemm.available() or self.config.method == "eagle3"):
             return None
         c = self.config
         layers = self._attend_layers()
@@ -544,7 +586,8 @@ class DraftModel(nn.Module):
         more rows than they take)."""
         c = self.config
         if (self.training or torch.is_grad_enabled() or not smallgemm.available() or features.shape[0] > SMALL_ROWS
-                or self.post_norm.dtype != torch.float32 or (contrastive and not c.parallel_decoding)):
+                or self.post_norm.dtype != torch.float32 or (contrastive and not c.parallel_decoding)
+                or c.method == "eagle3"):
             return None
         layers, mlps = self._attend_layers(), self._expert_kernels()
         rows = self._head_of(head)
@@ -567,7 +610,7 @@ class DraftModel(nn.Module):
         c = self.config
         lead, d = r.shape[:-1], r.shape[-1]
         m = F.rms_norm(r, (d,), self.post_norm, c.rms_norm_eps)
-        if c.method == "eagle2":
+        if c.method != "jakiro":
             out = r + self._expert(0, m)
             return DraftOutput(out.unsqueeze(-2), r.new_ones(*lead, 1), out, None)
         if self.training or torch.is_grad_enabled():
@@ -592,7 +635,7 @@ class DraftModel(nn.Module):
         without the other experts, the router's weights or the contrastive branch."""
         c = self.config
         m = F.rms_norm(r, (r.shape[-1],), self.post_norm, c.rms_norm_eps)
-        n = 0 if c.method == "eagle2" else int(self.router(m).argmax(-1)[0])
+        n = 0 if c.method != "jakiro" else int(self.router(m).argmax(-1)[0])
         return r + self._expert(n, m)
 
     def _expert(self, n: int, m: torch.Tensor) -> torch.Tensor:

@@ -126,7 +126,7 @@ class DataConfig:
 class TrainConfig:
     data: str
     out: str
-    method: str = _opt("jakiro", "draft architecture", choices=("eagle2", "jakiro"))
+    method: str = _opt("jakiro", "draft architecture", choices=("eagle2", "jakiro", "eagle3"))
     num_experts: int = _opt(2, "jakiro: number of experts N", flag="--experts")
     experts_per_token: int = _opt(2, "jakiro: activated experts K (>= 2)", flag="--active")
     candidate_mode: str = _opt("decoupled", "jakiro: tree candidates from each activated expert (decoupled) "
@@ -177,8 +177,8 @@ class TrainConfig:
     def check(self, world: int = 1) -> None:
         """Refuse settings that cannot train (the command line and the API alike); ``world``:
         the number of training processes."""
-        if self.method not in ("eagle2", "jakiro"):
-            raise JakiroError(f"unknown draft method {self.method!r}; choose eagle2 or jakiro")
+        if self.method not in ("eagle2", "jakiro", "eagle3"):
+            raise JakiroError(f"unknown draft method {self.method!r}; choose eagle2, jakiro or eagle3")
         if self.jakiro_loss not in JAKIRO_LOSSES:
             raise JakiroError(f"unknown Jakiro loss {self.jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
         if self.intermediate_size < 0:

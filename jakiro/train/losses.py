@@ -6,7 +6,8 @@ reads the draft's own prediction from step s − 1 of the same row and the token
 target's features of rows 0..j and its own earlier steps (``DraftModel.attend_unrolled``),
 and predicts f_{j+s}. Each prediction costs SmoothL1 to the target's feature plus w_p times the
 cross-entropy against the target's next-token distribution over the draft vocabulary; step s
-weighs decay^(s−1). A Jakiro draft's contrastive branch at step s predicts f_{j+s+1}.
+weighs decay^(s−1). An EAGLE-3 draft's features are its own (it reads fc over three of the
+target's residual streams, then its own outputs): its loss is the cross-entropy of its own head alone. A Jakiro draft's contrastive branch at step s predicts f_{j+s+1}.
 
 Rows are gathered before the per-row half of the draft (experts, heads): only rows whose own or
 later steps have a target inside the loss mask are computed, and the target's LM-head product is
@@ -65,17 +66,18 @@ def _window_any(mask: torch.Tensor, start: int, end: int, T: int) -> torch.Tenso
     return (c[:, j + end] - c[:, j + start]) > 0
 
 
-def unroll(model, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor, steps: int,
-           noise: torch.Tensor | None = None, lookahead: int = 1) -> Iterator[StepRows]:
+def unroll(model, ids: torch.Tensor, inputs: torch.Tensor, mask: torch.Tensor, steps: int,
+           lookahead: int = 1) -> Iterator[StepRows]:
     """Draft ``steps`` steps from every root position of a padded batch.
 
-    ids [B, L], feats [B, L, d] (f_0..f_{L-1}), mask [B, L] (positions whose prediction counts).
+    ids [B, L], inputs [B, L, d] (the first step's inputs at positions 0..L-1, as ``_inputs``
+    gives them), mask [B, L] (positions whose prediction counts).
     Yields each step's rows; a row is computed at step s when a position within
     j + s .. j + steps + lookahead − 1 is in the mask (its own prediction or a later one needs it).
     """
-    B, L, d = feats.shape
+    B, L, d = inputs.shape
     T = L - 1
-    inp = feats[:, :-1] if noise is None else feats[:, :-1] + noise[:, :-1]
+    inp = inputs[:, :-1]
     kv: list = []
     for s in range(1, steps + 1):
         tok = ids[:, s:s + T]
@@ -87,7 +89,7 @@ def unroll(model, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor, st
         out = model.heads(rr)
         yield StepRows(s, b, j, out, rr)
         if s < steps:
-            inp = torch.zeros(B, T, d, device=feats.device, dtype=feats.dtype).index_put(
+            inp = torch.zeros(B, T, d, device=inputs.device, dtype=inputs.dtype).index_put(
                 (b, j), carried_feature(model, out))
 
 
@@ -151,6 +153,8 @@ def step_parts(model, rows: StepRows, targets: TargetRows, mask: torch.Tensor, h
     out = rows.out
     ok, b, p = rows.targets(mask)
     feat, probs = targets.feats[b, p], targets.probs(b, p)
+    if model.config.method == "eagle3":  # no feature target: its features are its own
+        return {"blend": _ce(model.head_logits(out.blend[ok]), probs).sum()}
     if model.config.method != "jakiro":
         return {"blend": branch_loss(out.blend[ok], feat, probs, head, p_weight=p_weight)}
     experts, weights = out.features[ok], out.weights[ok]
@@ -173,13 +177,11 @@ def step_parts(model, rows: StepRows, targets: TargetRows, mask: torch.Tensor, h
     return parts
 
 
-def _inputs(model, feats: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Target features as a dataset holds them -> (the final features, what is added to the first
-    step's inputs: the noise and, for a draft with mid-layer inputs, the streams' part)."""
-    feats, extra = model.split_features(feats)
-    if extra is None:
-        return feats, noise
-    return feats, extra if noise is None else noise + extra
+def _inputs(model, feats: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target features as a dataset holds them -> (the final features, the first step's inputs:
+    ``DraftModel.input_features`` with the noise)."""
+    final, _ = model.split_features(feats)
+    return final, model.input_features(feats, noise)
 
 
 def draft_loss(model, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor, steps: int = 1,
@@ -189,13 +191,13 @@ def draft_loss(model, ids: torch.Tensor, feats: torch.Tensor, mask: torch.Tensor
     per step, as floats); ``p_weight``: the cross-entropy's weight (``branch_loss``)."""
     if jakiro_loss not in JAKIRO_LOSSES:
         raise ValueError(f"unknown Jakiro loss {jakiro_loss!r}; choose from {', '.join(JAKIRO_LOSSES)}")
-    feats, noise = _inputs(model, feats, noise)
+    feats, inputs = _inputs(model, feats, noise)
     head = model.head_weight
     targets = TargetRows(feats, mask, head)
     lookahead = 2 if model.config.parallel_decoding else 1
     total = feats.new_zeros(())
     report: dict[str, float] = {}
-    for rows in unroll(model, ids, feats, mask, steps, noise, lookahead):
+    for rows in unroll(model, ids, inputs, mask, steps, lookahead):
         parts = step_parts(model, rows, targets, mask, head, jakiro_loss, p_weight)
         step_total = sum(parts.values())
         total = total + decay ** (rows.step - 1) * step_total
@@ -224,10 +226,10 @@ def heldout_metrics(model, batches, steps: int, full_head: torch.Tensor) -> dict
     jakiro = model.config.method == "jakiro"
     decoupled = jakiro and model.config.candidate_mode == "decoupled"
     for ids, feats, mask in batches:
-        feats, extra = _inputs(model, feats, None)
+        feats, inputs = _inputs(model, feats, None)
         target_tok = torch.full(mask.shape, -1, dtype=torch.long, device=mask.device)
         target_tok[mask] = F.linear(feats[mask], full_head).argmax(-1)
-        for rows in unroll(model, ids, feats, mask, steps, extra, lookahead=2 if jakiro else 1):
+        for rows in unroll(model, ids, inputs, mask, steps, lookahead=2 if jakiro else 1):
             k = rows.step - 1
             ok, b, p = rows.targets(mask)
             if jakiro:

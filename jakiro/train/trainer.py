@@ -215,7 +215,9 @@ class Trainer:
                          draft_vocab_size=cfg.draft_vocab_size, aux_layers=list(parse_layers(cfg.aux_layers)))
         if cfg.intermediate_size:
             overrides["intermediate_size"] = cfg.intermediate_size
-        if cfg.method == "eagle2":
+        if cfg.method == "eagle3" and not cfg.aux_layers:
+            overrides.pop("aux_layers")  # the loaders' default streams (2, L/2, L-3)
+        if cfg.method in ("eagle2", "eagle3"):
             overrides.update(num_experts=1, experts_per_token=1, parallel_decoding=False)
         self.draft_config = DraftConfig.for_target(target.config, target.hf_config, cfg.method, **overrides)
         self.ds.check_draft(self.draft_config)
@@ -229,6 +231,9 @@ class Trainer:
             self._init_from(cfg.init_from, target)
         self.model.to(self.device)
         self.model.attach_target(self.embed, self.full_head)
+        if cfg.method == "eagle3" and not cfg.init_from:  # its own head starts as the target's rows
+            with torch.no_grad():
+                self.model.lm_head.copy_(self.model.head_weight)
 
     def _resume(self) -> None:
         cfg = self.cfg
@@ -245,7 +250,7 @@ class Trainer:
         for k in ("out", "steps", "minutes", "eval_every", "checkpoint_every", "tau_every", "tau_prompts", "tau_tokens"):
             ident.pop(k)
         ident["target_name"] = self.ds.identity["target_name"]
-        if self.cfg.method == "eagle2":  # one dense MLP: the Mixture-of-Experts settings do not apply
+        if self.cfg.method in ("eagle2", "eagle3"):  # one dense MLP: the Mixture-of-Experts settings do not apply
             for k in _MOE_SETTINGS:
                 ident.pop(k)
         return ident
