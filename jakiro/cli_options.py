@@ -207,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
     _add_target_args(b)
     b.add_argument("--questions", required=True, help="question JSONL path, 'mt-bench' or 'humaneval' (from the installed packages)")
-    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,eagle2+pld,jakiro+pld,"
-                   "draft-model,draft-model+pld,llamacpp,llamacpp-pld,llamacpp-draft (llama.cpp's server, built by "
-                   "scripts/build_llama_cpp.sh),jakiro-blended,"
+    b.add_argument("--methods", default="ar,pld,jakiro", help="comma list of ar,hf,pld,hf-pld,eagle2,jakiro,eagle3,"
+                   "eagle2+pld,jakiro+pld,eagle3+pld,draft-model,draft-model+pld,llamacpp,llamacpp-pld,llamacpp-draft,"
+                   "llamacpp-eagle3 (llama.cpp's server, built by scripts/build_llama_cpp.sh; -eagle3: our eagle3 "
+                   "draft exported to GGUF, a chain of --depth, default 3),jakiro-blended,"
                    "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static,jakiro-serial (-fixed: the draft's fixed "
                    "tree every cycle; -static: the --static-tree; -serial: a real last draft step instead of the "
                    "contrastive branch)")

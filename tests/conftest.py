@@ -43,12 +43,16 @@ def tiny(tmp_path_factory):
     return root, target, tok, prompts, reference
 
 
+OPT_IN = ("large", "llamacpp")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``large`` (models of a gigabyte pulled with ``jakiro models pull``) run only
-    when ``-m`` names them, so that ``-m "not slow"`` stays the fast tier."""
-    if "large" in (config.option.markexpr or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("large") is None]
+    """Tests marked ``large`` (models of a gigabyte pulled with ``jakiro models pull``) or
+    ``llamacpp`` (llama.cpp built by scripts/build_llama_cpp.sh) run only when ``-m`` names their
+    marker, so that ``-m "not slow"`` stays the fast tier and CI needs neither."""
+    named = [m for m in OPT_IN if m in (config.option.markexpr or "")]
+    kept = [item for item in items
+            if not any(item.get_closest_marker(m) is not None and m not in named for m in OPT_IN)]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept

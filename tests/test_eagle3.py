@@ -257,3 +257,20 @@ def test_eagle3_checkpoints_the_engine_cannot_run_are_refused(deep, tmp_path):
         f.write(b"not safetensors")
     with pytest.raises(JakiroError, match="corrupted EAGLE-3 weights"):
         load_draft(ck, target)
+
+
+@pytest.mark.llamacpp
+def test_llama_cpp_runs_the_shipped_draft_with_its_plain_output(tmp_path):
+    """llama.cpp (scripts/build_llama_cpp.sh) loads the shipped SmolLM2 EAGLE-3 draft exported to
+    GGUF and, greedy, answers exactly as its plain decoding, accepting drafted tokens.
+    Opt-in: pytest -m llamacpp."""
+    from jakiro.bench.runner import BenchConfig, run_bench
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": "test", "turns": [t]}) + "\n"
+                         for i, t in enumerate(["Write a Python function that reverses a string.",
+                                                "List three uses of a hash map."])))
+    summary = run_bench(BenchConfig(questions=str(q), methods=["llamacpp", "llamacpp-eagle3"],
+                                        max_new_tokens=64, depth=3, out=str(tmp_path / "out")), progress=False)
+    spec = summary["methods"]["llamacpp-eagle3"]["all"]
+    assert spec["llamacpp_match"] == 1.0
+    assert spec["acceptance"] > 0.2

@@ -3,7 +3,8 @@ same prompt tokens, greedy or sampled, beside our methods (``jakiro bench --meth
 ar,llamacpp,llamacpp-pld``). ``llamacpp`` is plain decoding; ``llamacpp-pld`` its n-gram
 speculation over the prompt and answer (``--spec-type ngram-simple``), llama.cpp's prompt lookup;
 ``llamacpp-draft`` its speculative decoding with a small model of the family (``--spec-type
-draft-simple --spec-draft-model``, its default of 3 drafted tokens), as ``draft-model`` here.
+draft-simple --spec-draft-model``, its default of 3 drafted tokens), as ``draft-model`` here;
+``llamacpp-eagle3`` its ``--spec-type draft-eagle3`` with our EAGLE-3 draft exported to GGUF.
 
 The binaries come from ``scripts/build_llama_cpp.sh`` (llama.cpp from the source PyPI's
 ``llama-cpp-python`` vendors), found in ``$JAKIRO_LLAMA_CPP`` or ``<cache>/llama.cpp/bin``."""
@@ -22,8 +23,14 @@ import urllib.request
 from ..errors import JakiroError
 
 DRAFT_FILE = "{draft}"  # stands for the draft model's GGUF file in SERVER_OPTIONS
+EAGLE3_FILE = "{eagle3}"  # our EAGLE-3 draft exported for llama.cpp (``jakiro export --format gguf``)
+CHAIN = "{chain}"  # the tokens it drafts per step: the benchmark's --depth, else 3
 SERVER_OPTIONS = {"llamacpp": (), "llamacpp-pld": ("--spec-type", "ngram-simple"),
-                  "llamacpp-draft": ("--spec-type", "draft-simple", "--spec-draft-model", DRAFT_FILE)}
+                  "llamacpp-draft": ("--spec-type", "draft-simple", "--spec-draft-model", DRAFT_FILE),
+                  # a fixed chain (no early stop on the draft's confidence), as ``eagle3 --depth N --top-k 1``
+                  "llamacpp-eagle3": ("--spec-type", "draft-eagle3", "--spec-draft-model", EAGLE3_FILE,
+                                      "--spec-draft-n-max", CHAIN, "--spec-draft-n-min", CHAIN,
+                                      "--spec-draft-p-min", "0")}
 
 
 def binaries(cache: str | None = None) -> str:

@@ -18,7 +18,7 @@ from ..data.questions import read_questions
 from .summary import markdown_table, plot_summary, summarize  # noqa: F401 (markdown_table: imported from here too)
 
 HF_METHODS = ("hf", "hf-pld")
-LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld", "llamacpp-draft")  # llama.cpp's server on the same GGUF file (bench.llamacpp)
+LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld", "llamacpp-draft", "llamacpp-eagle3")  # llama.cpp's server on the same GGUF file (bench.llamacpp)
 # benchmark names for a method with options: Jakiro's blended candidates, drafts on their fixed tree
 VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
             "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False}),
@@ -140,11 +140,14 @@ class _Answerer:
         for m in cfg.methods:
             if m in LLAMACPP_METHODS:
                 from ..models.gguf_file import source_file
-                from .llamacpp import DRAFT_FILE, SERVER_OPTIONS, LlamaServer
+                from .llamacpp import CHAIN, DRAFT_FILE, EAGLE3_FILE, SERVER_OPTIONS, LlamaServer
                 options = SERVER_OPTIONS[m]
                 if DRAFT_FILE in options:  # the same small model as our draft-model method
                     draft_file = self.draft_model_file(cfg, jk)
                     options = tuple(draft_file if o == DRAFT_FILE else o for o in options)
+                if EAGLE3_FILE in options:  # the same draft as our eagle3 method
+                    fill = {EAGLE3_FILE: self.eagle3_file(cfg, jk), CHAIN: str(cfg.depth or 3)}
+                    options = tuple(fill.get(o, o) for o in options)
                 self.llama[m] = LlamaServer(source_file(jk.target_path), torch.get_num_threads(), options,
                                             cache=cfg.cache_dir)
 
@@ -162,6 +165,17 @@ class _Answerer:
         if not is_gguf_folder(folder):
             raise JakiroError(f"llamacpp-draft needs the draft model as a GGUF file, not {folder}")
         return source_file(folder)
+
+    @staticmethod
+    def eagle3_file(cfg: BenchConfig, jk) -> str:
+        """Our eagle3 draft (``--draft eagle3=PATH``, default the shipped one) as the GGUF llama.cpp's
+        draft-eagle3 loads, written into the run's folder."""
+        from ..api import shipped_draft
+        from ..draft.eagle3_format import export
+        draft = cfg.drafts.get("eagle3") or shipped_draft("eagle3", jk.target_path)
+        if draft is None:
+            raise JakiroError("llamacpp-eagle3 needs an eagle3 draft for this target: pass --draft eagle3=PATH")
+        return export(draft, "gguf", os.path.join(cfg.out, "eagle3-draft.gguf"), jk.target_path, cfg.cache_dir)[0]
 
     def close(self) -> None:
         for server in self.llama.values():

@@ -30,8 +30,14 @@ def _aggregate(turns: list[dict]) -> dict:
                    draft_fraction=m.draft_s / max(1e-9, m.draft_s + m.target_s),
                    plain_steps=m.plain_steps,  # cycles that drafted nothing
                    accepted_from={src: m.accepted_from.get(src, 0) for src in ("draft", "lookup", "both")})
+        drafted = sum(m.depth_tried)
+        if drafted:  # drafted tokens accepted (a chain's: llama.cpp's n_accept / n_drafted)
+            out["acceptance"] = sum(m.depth_accepted) / drafted
     else:
         out["tau"] = None
+    if all(t.get("llamacpp_drafted") is not None for t in turns):  # llama.cpp's speculation
+        drafted = sum(t["llamacpp_drafted"] for t in turns)
+        out["acceptance"] = sum(t["llamacpp_accepted"] for t in turns) / drafted if drafted else 0.0
     covered = [t["head_coverage"] for t in turns if "head_coverage" in t]
     if covered:  # share of answer tokens the draft's head holds: its vocabulary alone, with the prompt's tokens, and the answer's
         n = sum(c["tokens"] for c in covered)
@@ -55,6 +61,11 @@ def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
                 same = [t["token_ids"] == ar_turns[(r["question_id"], i)]["token_ids"]
                         for r in sel for i, t in enumerate(r["turns"])]
                 agg["greedy_match"] = sum(same) / len(same)
+                if m.startswith("llamacpp-") and "llamacpp" in records:  # llama.cpp's speculation vs its own plain text
+                    plain = {(r["question_id"], i): t["token_ids"] for r in records["llamacpp"]
+                             for i, t in enumerate(r["turns"])}
+                    same = [t["token_ids"] == plain[(r["question_id"], i)] for r in sel for i, t in enumerate(r["turns"])]
+                    agg["llamacpp_match"] = sum(same) / len(same)
             per_cat[cat] = agg
         result["methods"][m] = per_cat
     for m, per_cat in result["methods"].items():
