@@ -1,9 +1,12 @@
 """The rows of the target's LM head a draft scores (``DraftHead``): built on first use, laid out
-once for the small-batch kernels, a request's head extending its vocabulary head's layout."""
+once for the small-batch kernels, a request's head extending its vocabulary head's layout; and
+the draft's methods choosing them (``HeadRows``: its vocabulary, a request's head with the
+prompt's tokens, logits over them)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..models import quant, smallgemm
 from ..models.linear import SMALL_ROWS, BlockLinear, FastLinear
@@ -86,3 +89,100 @@ class DraftHead:
         if self._head_blocks is None:
             return smallgemm.linear(x, kernel, self.size, None)
         return smallgemm.quantized_linear(x, kernel, self.size, INPUT_BYTES)
+
+
+class HeadRows:
+    """Mixed into ``DraftModel``: its draft vocabulary and heads."""
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Restrict the draft head to these target token ids (most frequent first)."""
+        if token_ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"expected {self.config.draft_vocab_size} ids, got {token_ids.numel()}")
+        self.d2t.copy_(token_ids.to(torch.long))
+
+    def _vocab_order(self) -> torch.Tensor:
+        """Target token ids of the draft vocabulary, most frequent first (every token without one)."""
+        return self.d2t if self.config.draft_vocab_size is not None else torch.arange(self._lm_head.shape[0])
+
+    def head_ids(self, limit: int | None = None, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Target token ids of ``head``'s rows, in row order: the draft vocabulary (or its first
+        ``limit`` entries), then the tokens of ``extra`` it lacks in the order given, padded with
+        the next most frequent tokens to a multiple of 16 rows (the tile kernel's unit)."""
+        order = self._vocab_order()
+        base = order[:limit]
+        if extra is None:
+            return base
+        V = self._lm_head.shape[0]
+        present = torch.zeros(V, dtype=torch.bool)
+        present[base] = True
+        extra = extra[(extra >= 0) & (extra < V)]
+        first = torch.tensor(list(dict.fromkeys(extra.tolist())), dtype=torch.long)  # repeats dropped, order kept
+        new = first[~present[first]]
+        if len(new) == 0:
+            return base
+        present[new] = True
+        pad = (-(len(base) + len(new))) % 16
+        if pad:
+            spare = order[~present[order]]
+            if len(spare) < pad:
+                spare = torch.cat((spare, torch.arange(V)[~present]))
+            new = torch.cat((new, spare[:pad]))
+        return torch.cat((base, new))
+
+    def head(self, limit: int | None = None, extra: torch.Tensor | None = None) -> DraftHead:
+        """The head over ``head_ids(limit, extra)``: the draft vocabulary (or its first ``limit``,
+        most frequent, entries), plus the target tokens of ``extra`` it lacks (a request's
+        prompt: tokens a prompt holds are far likelier in its answer than their overall frequency
+        says, and the target's head scores every token, so the draft's predicted feature scores
+        them too). The plain vocabulary heads are built once and kept."""
+        own = self.config.method == "eagle3"  # its own rows (kept while they do not change)
+        key = (limit, self.lm_head.data_ptr(), self.lm_head._version) if own else limit
+        base = self._heads.get(key)
+        if base is None:
+            if own:
+                weight = self.lm_head.detach()[:limit]
+                base = DraftHead(self._vocab_order()[:limit], weight, None, weight=weight)
+            else:
+                base = DraftHead(self._vocab_order()[:limit], self._lm_head, self._head_blocks,
+                                 weight=self.head_weight[:limit])
+            self._heads[key] = base
+        if extra is None or self.config.method == "eagle3":  # its head has the draft vocabulary's rows only
+            return base
+        ids = self.head_ids(limit, extra)
+        return base if len(ids) == base.size else DraftHead(ids, self._lm_head, self._head_blocks, base=base)
+
+    def extend_head(self, head: DraftHead, extra: torch.Tensor, limit: int | None = None) -> DraftHead:
+        """``head(limit, extra)`` for a request whose head ``head`` was built from the first
+        entries of ``extra``: the groups of 16 rows the two share keep their layout, only the
+        rows after them (the new tokens and the padding) are laid out."""
+        if self.config.method == "eagle3":
+            return head
+        ids = self.head_ids(limit, extra)
+        if torch.equal(ids, head.ids):
+            return head
+        grown = DraftHead(ids, self._lm_head, self._head_blocks, base=head)
+        grown.kernel_weight  # laid out now, so that the request's earlier heads can go
+        grown._base = None
+        return grown
+
+    def _head_of(self, head: "DraftHead | int | None") -> DraftHead:
+        return head if isinstance(head, DraftHead) else self.head(head)
+
+    def head_logits(self, features: torch.Tensor, head: "DraftHead | int | None" = None) -> torch.Tensor:
+        """[..., d] -> [..., V'] logits over ``head``'s rows: a ``DraftHead``, or the draft
+        vocabulary (its first ``head`` most frequent entries for an int). EAGLE-3 scores its own
+        final norm of the features with its own head."""
+        if self.config.method == "eagle3":
+            features = F.rms_norm(features, (features.shape[-1],), self.norm, self.config.rms_norm_eps)
+        if self.training or torch.is_grad_enabled():
+            own = self.lm_head if self.config.method == "eagle3" else self.head_weight
+            weight = head.weight if isinstance(head, DraftHead) else own[:head]
+            return F.linear(features, weight)
+        flat = features.reshape(-1, features.shape[-1])
+        return self._head_of(head)(flat).view(*features.shape[:-1], -1)
+
+    def to_target_ids(self, draft_ids: torch.Tensor, head: "DraftHead | None" = None) -> torch.Tensor:
+        """Target token ids of head rows (of ``head``, default the draft vocabulary)."""
+        if head is not None:
+            return head.ids[draft_ids]
+        return draft_ids if self.config.draft_vocab_size is None else self.d2t[draft_ids]

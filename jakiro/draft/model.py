@@ -16,11 +16,11 @@ import torch.nn.functional as F
 
 from ..errors import JakiroError
 from ..models.kv_cache import KVCache
-from ..models import smallgemm
-from ..models.linear import SMALL_ROWS, FastLinear
+from ..models.linear import FastLinear
 from ..models.target import ROPE_SLACK, embedding_rows, rope_tables
 from .config import DraftConfig
-from .head import INPUT_BYTES, DraftHead
+from .fused import FusedSteps
+from .head import INPUT_BYTES, DraftHead, HeadRows
 
 @dataclass
 class DraftOutput:
@@ -55,7 +55,7 @@ def _unrolled_attention(q: torch.Tensor, steps: list, groups: int) -> torch.Tens
     return o
 
 
-class DraftModel(nn.Module):
+class DraftModel(HeadRows, FusedSteps, nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = c = config
@@ -174,135 +174,6 @@ class DraftModel(nn.Module):
         self._heads = {}
         return self
 
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Restrict the draft head to these target token ids (most frequent first)."""
-        if token_ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"expected {self.config.draft_vocab_size} ids, got {token_ids.numel()}")
-        self.d2t.copy_(token_ids.to(torch.long))
-
-    def _vocab_order(self) -> torch.Tensor:
-        """Target token ids of the draft vocabulary, most frequent first (every token without one)."""
-        return self.d2t if self.config.draft_vocab_size is not None else torch.arange(self._lm_head.shape[0])
-
-    def head_ids(self, limit: int | None = None, extra: torch.Tensor | None = None) -> torch.Tensor:
-        """Target token ids of ``head``'s rows, in row order: the draft vocabulary (or its first
-        ``limit`` entries), then the tokens of ``extra`` it lacks in the order given, padded with
-        the next most frequent tokens to a multiple of 16 rows (the tile kernel's unit)."""
-        order = self._vocab_order()
-        base = order[:limit]
-        if extra is None:
-            return base
-        V = self._lm_head.shape[0]
-        present = torch.zeros(V, dtype=torch.bool)
-        present[base] = True
-        extra = extra[(extra >= 0) & (extra < V)]
-        first = torch.tensor(list(dict.fromkeys(extra.tolist())), dtype=torch.long)  # repeats dropped, order kept
-        new = first[~present[first]]
-        if len(new) == 0:
-            return base
-        present[new] = True
-        pad = (-(len(base) + len(new))) % 16
-        if pad:
-            spare = order[~present[order]]
-            if len(spare) < pad:
-                spare = torch.cat((spare, torch.arange(V)[~present]))
-            new = torch.cat((new, spare[:pad]))
-        return torch.cat((base, new))
-
-    def head(self, limit: int | None = None, extra: torch.Tensor | None = None) -> DraftHead:
-        """The head over ``head_ids(limit, extra)``: the draft vocabulary (or its first ``limit``,
-        most frequent, entries), plus the target tokens of ``extra`` it lacks (a request's
-        prompt: tokens a prompt holds are far likelier in its answer than their overall frequency
-        says, and the target's head scores every token, so the draft's predicted feature scores
-        them too). The plain vocabulary heads are built once and kept."""
-        own = self.config.method == "eagle3"  # its own rows (kept while they do not change)
-        key = (limit, self.lm_head.data_ptr(), self.lm_head._version) if own else limit
-        base = self._heads.get(key)
-        if base is None:
-            if own:
-                weight = self.lm_head.detach()[:limit]
-                base = DraftHead(self._vocab_order()[:limit], weight, None, weight=weight)
-            else:
-                base = DraftHead(self._vocab_order()[:limit], self._lm_head, self._head_blocks,
-                                 weight=self.head_weight[:limit])
-            self._heads[key] = base
-        if extra is None or self.config.method == "eagle3":  # its head has the draft vocabulary's rows only
-            return base
-        ids = self.head_ids(limit, extra)
-        return base if len(ids) == base.size else DraftHead(ids, self._lm_head, self._head_blocks, base=base)
-
-    def extend_head(self, head: DraftHead, extra: torch.Tensor, limit: int | None = None) -> DraftHead:
-        """``head(limit, extra)`` for a request whose head ``head`` was built from the first
-        entries of ``extra``: the groups of 16 rows the two share keep their layout, only the
-        rows after them (the new tokens and the padding) are laid out."""
-        if self.config.method == "eagle3":
-            return head
-        ids = self.head_ids(limit, extra)
-        if torch.equal(ids, head.ids):
-            return head
-        grown = DraftHead(ids, self._lm_head, self._head_blocks, base=head)
-        grown.kernel_weight  # laid out now, so that the request's earlier heads can go
-        grown._base = None
-        return grown
-
-    def _head_of(self, head: "DraftHead | int | None") -> DraftHead:
-        return head if isinstance(head, DraftHead) else self.head(head)
-
-    def head_logits(self, features: torch.Tensor, head: "DraftHead | int | None" = None) -> torch.Tensor:
-        """[..., d] -> [..., V'] logits over ``head``'s rows: a ``DraftHead``, or the draft
-        vocabulary (its first ``head`` most frequent entries for an int). EAGLE-3 scores its own
-        final norm of the features with its own head."""
-        if self.config.method == "eagle3":
-            features = F.rms_norm(features, (features.shape[-1],), self.norm, self.config.rms_norm_eps)
-        if self.training or torch.is_grad_enabled():
-            own = self.lm_head if self.config.method == "eagle3" else self.head_weight
-            weight = head.weight if isinstance(head, DraftHead) else own[:head]
-            return F.linear(features, weight)
-        flat = features.reshape(-1, features.shape[-1])
-        return self._head_of(head)(flat).view(*features.shape[:-1], -1)
-
-    def mlp_head_topk(self, r: torch.Tensor, k: int, head: "DraftHead | int | None" = None):
-        """EAGLE-2's MLP then the head's top-k, for residual rows r [n, d], in one call of the
-        small-batch kernels: (features r + MLP [n, d], target token ids [n, k], log-probs [n, k]
-        over ``head``'s rows), or None where that path does not apply (training, no kernel, more
-        than one expert: the MLP is the only expert's)."""
-        c = self.config
-        if (self.training or torch.is_grad_enabled() or not smallgemm.available() or len(self.gate_up) != 1
-                or self.post_norm.dtype != torch.float32 or c.method == "eagle3"):
-            return None
-        gate_up = self._fast_layer("gate_up0", (self.gate_up[0],)).kernel_weight
-        down = self._fast_layer("down0", (self.down[0],)).kernel_weight
-        rows = self._head_of(head)
-        if gate_up is None or down is None or rows.kernel_weight is None:
-            return None
-        vocab = rows.size
-        feats, ids, logp = smallgemm.draft_mlp_head(r, self.post_norm.detach(), gate_up, down, c.intermediate_size,
-                                                    rows.kernel_weight, vocab, min(k, vocab), c.rms_norm_eps,
-                                                    INPUT_BYTES)
-        return feats, rows.ids[ids], logp
-
-    def experts_topk(self, r: torch.Tensor, quotas: list[int], head: "DraftHead | int | None" = None):
-        """Decoupled children of residual rows r [n, d] in one call of the small-batch kernels:
-        each row's activated experts in router order, the one of rank a proposing ``quotas[a]``
-        children from its own output (tokens the ranks before it proposed skipped), as
-        ``DraftProposer._children`` does from ``heads``; with one rank (a chain), only the expert
-        the router ranks first runs. The router runs in the same call. Returns (features r +
-        expert output [n, A, d], target token ids [n, k], log-probs [n, k]), or None where that
-        path does not apply (training, no kernel, EAGLE-2)."""
-        c = self.config
-        if (c.method != "jakiro" or self.training or torch.is_grad_enabled() or not smallgemm.available()
-                or self.post_norm.dtype != torch.float32 or len(quotas) > c.experts_per_token):
-            return None
-        experts = self._expert_kernels()
-        rows = self._head_of(head)
-        if experts is None or rows.kernel_weight is None:
-            return None
-        feats, ids, logp = smallgemm.draft_experts_topk(
-            r, self.post_norm.detach(), [g for g, _ in experts], [d for _, d in experts], c.intermediate_size,
-            rows.kernel_weight, rows.size, self.router.weight.detach(), quotas, c.rms_norm_eps,
-            INPUT_BYTES)
-        return feats, rows.ids[ids], logp
-
     def _linear(self, name: str, x: torch.Tensor, weights: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ cat(weights)^T (+ bias). In training, ``F.linear``; in inference, the runtime's
         ``FastLinear`` (see ``_fast_layer``)."""
@@ -325,12 +196,6 @@ class DraftModel(nn.Module):
             entry = self._fast[name] = (stamp, FastLinear(weight, None if bias is None else bias.detach(),
                                                           quantized=blocks, input_bytes=INPUT_BYTES))
         return entry[1]
-
-    def to_target_ids(self, draft_ids: torch.Tensor, head: "DraftHead | None" = None) -> torch.Tensor:
-        """Target token ids of head rows (of ``head``, default the draft vocabulary)."""
-        if head is not None:
-            return head.ids[draft_ids]
-        return draft_ids if self.config.draft_vocab_size is None else self.d2t[draft_ids]
 
     def new_cache(self, max_len: int) -> KVCache:
         c = self.config
@@ -452,78 +317,6 @@ class DraftModel(nn.Module):
         k, v = self._rope(k.reshape(-1, Hkv, D), position_ids), v.reshape(-1, Hkv, D)
         cache.write(0, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
         cache.commit(k.shape[0])
-
-    def _fused_step(self, features, token_ids, position_ids, cache, attn_mask) -> torch.Tensor | None:
-        """``attend`` in one call of the small-batch kernels for a draft step's few rows (None
-        where that path does not apply: training, batches, prompts, no kernel)."""
-        B, T, d = features.shape
-        if (cache is None or B != 1 or T > SMALL_ROWS or self.training or torch.is_grad_enabled()
-                or not smallgemm.available() or self.config.method == "eagle3"):
-            return None
-        c = self.config
-        layers = self._attend_layers()
-        if layers is None:
-            return None
-        cache.check_room(T)
-        r = smallgemm.draft_attend(features[0], token_ids[0], self.embed, layers[0].kernel_weight, layers[0].bias,
-                                   self.input_norm.detach(), layers[1].kernel_weight, layers[2].kernel_weight,
-                                   cache.data, cache.length, self.rope_cos, self.rope_sin, position_ids, attn_mask,
-                                   c.num_attention_heads, c.num_key_value_heads, c.rms_norm_eps, c.head_dim ** -0.5,
-                                   INPUT_BYTES)
-        return r.unsqueeze(0)
-
-    def _expert_kernels(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Each expert's (gate/up, down) as the small-batch kernels read them (EAGLE-2: its one MLP),
-        None where one cannot be."""
-        kernels = [(self._fast_layer(f"gate_up{e}", (self.gate_up[e],)).kernel_weight,
-                    self._fast_layer(f"down{e}", (self.down[e],)).kernel_weight)
-                   for e in range(self.config.num_experts)]
-        return None if any(w is None for pair in kernels for w in pair) else kernels
-
-    def _attend_layers(self) -> tuple[FastLinear, FastLinear, FastLinear] | None:
-        """The fusion layer, qkv and o as the fused attention step takes them (None where it cannot)."""
-        layers = (self._fast_layer("fc", (self.fc.weight,), self.fc.bias),
-                  self._fast_layer("qkv", (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)),
-                  self._fast_layer("o", (self.o_proj.weight,)))
-        if (any(layer.kernel_weight is None for layer in layers) or self.input_norm.dtype != torch.float32
-                or not self.embed.is_contiguous()):
-            return None
-        return layers
-
-    def chain(self, features: torch.Tensor, token_ids: torch.Tensor, steps: int, contrastive: bool, cache: KVCache,
-              head: "DraftHead | int | None" = None, draws: torch.Tensor | None = None, temperature: float = 1.0
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """A chain proposal (top-k 1) in one call of the kernels: ``attend`` over the rows
-        committed since the last proposal (input features [m, d] as ``input_features`` gives
-        them, the tokens after them [m]) at the cache's next positions, then from the newest row
-        ``steps`` draft steps, each keeping the head's best row for EAGLE-2's MLP or for the
-        expert the router ranks first (as ``mlp_head_topk`` and ``experts_topk`` with k = 1, then
-        ``attend``), the last adding the contrastive branch's best row when ``contrastive``. The
-        m rows' keys and values are written into ``cache`` for the caller to commit; the chain's
-        after them, left uncommitted. With ``draws`` (float64 uniforms [steps]) each step's token
-        is drawn from softmax(logits / ``temperature``) over ``head``'s rows instead of being the best.
-        Returns (target token ids [steps (+ 1)], the best rows' log-probs, the distributions drawn
-        from [steps, V] or None), or None where the kernels do not apply (training, no kernel,
-        more rows than they take)."""
-        c = self.config
-        if (self.training or torch.is_grad_enabled() or not smallgemm.available() or features.shape[0] > SMALL_ROWS
-                or self.post_norm.dtype != torch.float32 or (contrastive and not c.parallel_decoding)
-                or c.method == "eagle3"):
-            return None
-        layers, mlps = self._attend_layers(), self._expert_kernels()
-        rows = self._head_of(head)
-        if layers is None or mlps is None or rows.kernel_weight is None:
-            return None
-        cache.check_room(features.shape[0] + steps - 1)
-        jakiro = c.method == "jakiro"
-        ids, logp, probs = smallgemm.draft_chain(
-            features, token_ids, steps, self.embed, layers[0].kernel_weight, layers[0].bias, self.input_norm.detach(),
-            layers[1].kernel_weight, layers[2].kernel_weight, cache.data, cache.length, self.rope_cos, self.rope_sin,
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim ** -0.5, self.post_norm.detach(),
-            [g for g, _ in mlps], [d for _, d in mlps], c.intermediate_size,
-            self.router.weight.detach() if jakiro else None, self.con_router.weight.detach() if contrastive else None,
-            rows.kernel_weight, rows.ids, c.rms_norm_eps, INPUT_BYTES, draws, temperature)
-        return rows.ids[ids], logp, (probs if draws is not None else None)
 
     def heads(self, r: torch.Tensor) -> DraftOutput:
         """The per-row half of ``forward``: experts (or the dense MLP), router, blend and
