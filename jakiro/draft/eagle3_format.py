@@ -169,46 +169,68 @@ def read_eagle3(folder: str, target_config=None, weights: bool = True
     config and state dict. ``target_config`` (the target's ``TargetConfig``): the default
     streams when the folder does not name them, and its name for the config. ``weights=False``:
     the config alone (from the weights' headers)."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
     with open(os.path.join(folder, "config.json")) as f:
         cfg = _flat_config(json.load(f))
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    if not weights and files:  # names and shapes only
-        raw = {}
-        for name in files:
-            try:
-                with safe_open(os.path.join(folder, name), "pt") as f:
-                    for key in f.keys():
-                        raw[key] = f.get_slice(key)
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise JakiroError(f"corrupted EAGLE-3 weights {os.path.join(folder, name)}: {exc}") from None
-    elif not files and os.path.exists(os.path.join(folder, "pytorch_model.bin")):
-        raw = torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-    else:
-        if not files:
-            raise JakiroError(f"{folder} has an EAGLE-3 config.json but no weights (*.safetensors)")
-        raw = {}
-        for name in files:
-            try:
-                raw.update(load_file(os.path.join(folder, name)))
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise JakiroError(f"corrupted EAGLE-3 weights {os.path.join(folder, name)}: {exc}") from None
     state = {}
-    for name, t in raw.items():
+    for name, t in _read_tensors(folder, weights).items():
         for prefix in _LAYER_PREFIXES:
             if name.startswith(prefix):
                 name = "midlayer." + name[len(prefix):]
                 break
         state[name] = t
+    config = _draft_config(folder, cfg, state, target_config)
+    if not weights:
+        return config, {}
+    ours = {o: state[t].float() for o, t in _NAMES.items()}
+    ours["gate_up"] = torch.cat((state["midlayer.mlp.gate_proj.weight"],
+                                 state["midlayer.mlp.up_proj.weight"])).float().unsqueeze(0)
+    ours["down"] = state["midlayer.mlp.down_proj.weight"].float().unsqueeze(0)
+    if config.draft_vocab_size is not None:
+        n = config.draft_vocab_size
+        ids = torch.arange(n) + (state["d2t"].to(torch.long) if "d2t" in state else 0)
+        if int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size or len(set(ids.tolist())) != n:
+            raise JakiroError(f"{folder}: its d2t map does not give {n} distinct target tokens")
+        ours["d2t"] = ids
+    return config, ours
+
+
+def _read_tensors(folder: str, weights: bool) -> dict:
+    """The folder's tensors by name (``weights=False``: their safetensors slices, for shapes)."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        if os.path.exists(os.path.join(folder, "pytorch_model.bin")):
+            return torch.load(os.path.join(folder, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        raise JakiroError(f"{folder} has an EAGLE-3 config.json but no weights (*.safetensors)")
+    raw = {}
+    for name in files:
+        path = os.path.join(folder, name)
+        try:
+            if weights:
+                raw.update(load_file(path))
+            else:
+                with safe_open(path, "pt") as f:
+                    raw.update({key: f.get_slice(key) for key in f.keys()})
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise JakiroError(f"corrupted EAGLE-3 weights {path}: {exc}") from None
+    return raw
+
+
+def _stream_layers(folder: str, cfg: dict, target_config) -> list[int]:
     layers = (cfg.get("eagle_aux_hidden_state_layer_ids")
               or (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
-    if not layers:
-        if target_config is None:
-            raise JakiroError(f"{folder} does not name the target layers it reads; load it with its target")
-        n = target_config.num_layers
-        layers = [2, n // 2, n - 3]  # the loaders' default
+    if layers:
+        return [int(x) for x in layers]
+    if target_config is None:
+        raise JakiroError(f"{folder} does not name the target layers it reads; load it with its target")
+    n = target_config.num_layers
+    return [2, n // 2, n - 3]  # the loaders' default
+
+
+def _check_runnable(folder: str, cfg: dict, state: dict, layers: list[int]) -> None:
+    """Refuse what our runtime does not run, then what is missing."""
     d = cfg["hidden_size"]
     target_hidden = cfg.get("target_hidden_size") or d
     problems = []
@@ -230,36 +252,26 @@ def read_eagle3(folder: str, target_config=None, weights: bool = True
     missing = sorted(need - set(state))
     if missing:
         raise JakiroError(f"{folder}: EAGLE-3 weights missing {', '.join(missing)}")
+
+
+def _draft_config(folder: str, cfg: dict, state: dict, target_config) -> DraftConfig:
+    layers = _stream_layers(folder, cfg, target_config)
+    _check_runnable(folder, cfg, state, layers)
+    d, H = cfg["hidden_size"], cfg["num_attention_heads"]
     vocab = cfg.get("vocab_size") or (target_config.vocab_size if target_config else None)
     draft_vocab = int(_shape(state["lm_head.weight"])[0])
     rope = {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
     if cfg.get("rope_scaling"):
         rope.update(cfg["rope_scaling"])
         rope.setdefault("rope_type", rope.pop("type", "default"))
-    H = cfg["num_attention_heads"]
-    config = DraftConfig(
+    return DraftConfig(
         method="eagle3", hidden_size=d, intermediate_size=cfg["intermediate_size"], num_attention_heads=H,
         num_key_value_heads=cfg.get("num_key_value_heads", H), head_dim=cfg.get("head_dim") or d // H,
         vocab_size=vocab, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         max_position_embeddings=cfg.get("max_position_embeddings", 2048), rope_parameters=rope,
         draft_vocab_size=None if draft_vocab == vocab and "d2t" not in state else draft_vocab,
         target_name=cfg.get("jakiro_target_name") or (target_config.name if target_config else ""),
-        aux_layers=[int(x) for x in layers])
-    if not weights:
-        return config, {}
-    ours = {o: state[t].float() for o, t in _NAMES.items()}
-    ours["gate_up"] = torch.cat((state["midlayer.mlp.gate_proj.weight"],
-                                 state["midlayer.mlp.up_proj.weight"])).float().unsqueeze(0)
-    ours["down"] = state["midlayer.mlp.down_proj.weight"].float().unsqueeze(0)
-    if config.draft_vocab_size is not None:
-        if "d2t" in state:
-            ids = state["d2t"].to(torch.long) + torch.arange(draft_vocab)
-        else:
-            ids = torch.arange(draft_vocab)
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(set(ids.tolist())) != len(ids):
-            raise JakiroError(f"{folder}: its d2t map does not give {draft_vocab} distinct target tokens")
-        ours["d2t"] = ids
-    return config, ours
+        aux_layers=layers)
 
 
 def _shape(t) -> tuple[int, ...]:
