@@ -88,7 +88,28 @@ def concurrency_table(runs: list[dict], root: str) -> list[str]:
     return rows + ([""] + first if len(first) > 2 else [])
 
 
-TABLES = {"plain-decoding": plain_decoding_table, "methods": methods_table, "concurrency": concurrency_table}
+def engines_table(runs: list[dict], root: str) -> list[str]:
+    """One row per method of a ``jakiro bench`` run that holds llama.cpp beside us (one draft in
+    both engines): tokens/s, against our plain decoding and llama.cpp's, the share of drafted
+    tokens accepted, and whether each engine's speculative text equals its own plain text."""
+    rows = ["| model | inputs | method | tokens/s | × our plain | × llama.cpp plain | acceptance "
+            "| same text as the engine's plain |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for run, d, mode in _run_data(runs, root):
+        llama = d["methods"].get("llamacpp", {}).get("all", {}).get("tokens_per_s")
+        for method, per_cat in d["methods"].items():
+            agg = per_cat["all"]
+            same = agg.get("llamacpp_match") if method.startswith("llamacpp") else agg.get("greedy_match")
+            if method == "llamacpp":
+                same = None
+            rows.append(f"| {run['model']} | {mode} | {method} | {_num(agg['tokens_per_s'])} | {_x(agg['speedup'])} "
+                        f"| {_x(agg['tokens_per_s'] / llama if llama else None)} "
+                        f"| {_num(agg.get('acceptance'), 2) if agg.get('acceptance') is not None else '-'} "
+                        f"| {'-' if same is None else f'{same:.0%}'} |")
+    return rows
+
+
+TABLES = {"plain-decoding": plain_decoding_table, "methods": methods_table, "concurrency": concurrency_table,
+          "engines": engines_table}
 
 
 def render(source: dict, root: str) -> list[str]:
