@@ -44,12 +44,15 @@ grep -E "n_drafted|n_accept|accept |decoded" "$OUT/speculative-simple.log" | sed
 "$PY" - "$OUT/summary.json" <<'EOF'
 import json, sys
 s = json.load(open(sys.argv[1]))["methods"]
-print(f"{'method':16} {'tokens/s':>9} {'speedup':>8} {'acceptance':>11} {'same text as llama.cpp plain':>29}")
+print(f"{'method':16} {'tokens/s':>9} {'decoding tokens/s':>18} {'acceptance':>11} {'same text as its plain':>23}")
 for m in ("ar", "eagle3", "llamacpp", "llamacpp-eagle3"):
     a = s[m]["all"]
     acc = f"{a['acceptance']:.3f}" if a.get("acceptance") is not None else "-"
-    same = f"{a['llamacpp_match']:.2f}" if "llamacpp_match" in a else "-"
-    print(f"{m:16} {a['tokens_per_s']:9.1f} {a['speedup']:7.2f}x {acc:>11} {same:>29}")
-ratio = s["llamacpp-eagle3"]["all"]["tokens_per_s"] / s["llamacpp"]["all"]["tokens_per_s"]
-print(f"llama.cpp with our draft / llama.cpp plain: {ratio:.2f}x")
+    same = a.get("llamacpp_match") if m == "llamacpp-eagle3" else (a.get("greedy_match") if m == "eagle3" else None)
+    print(f"{m:16} {a['tokens_per_s']:9.1f} {a['decode_tokens_per_s']:18.1f} {acc:>11} "
+          f"{'-' if same is None else f'{same:.2f}':>23}")
+for a, b in (("llamacpp-eagle3", "llamacpp"), ("eagle3", "ar")):
+    x, y = s[a]["all"], s[b]["all"]
+    print(f"{a} / {b}: decoding {x['decode_tokens_per_s'] / y['decode_tokens_per_s']:.2f}x, "
+          f"with the prompt {x['tokens_per_s'] / y['tokens_per_s']:.2f}x")
 EOF

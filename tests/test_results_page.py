@@ -27,10 +27,11 @@ def _tree(tmp_path, readme: str):
                                      "tau": 1.0, "same_as_alone": True}}},
             "first_token": {"ar": {"idle_s": 0.05, "loaded_s": 0.08, "running": 3, "ratio": 1.6}}}
     engines = {"int8_activations": True, "methods": {
-        "ar": {"all": {"tokens_per_s": 150.0, "speedup": 1.0, "tau": 1.0, "greedy_match": 1.0}},
-        "eagle3": {"all": {"tokens_per_s": 180.0, "speedup": 1.2, "tau": 2.1, "greedy_match": 1.0, "acceptance": 0.61}},
-        "llamacpp": {"all": {"tokens_per_s": 120.0, "speedup": 0.8, "tau": None, "greedy_match": 0.5}},
-        "llamacpp-eagle3": {"all": {"tokens_per_s": 156.0, "speedup": 1.04, "tau": None, "greedy_match": 0.5,
+        "ar": {"all": {"tokens_per_s": 150.0, "decode_tokens_per_s": 160.0, "greedy_match": 1.0}},
+        "eagle3": {"all": {"tokens_per_s": 180.0, "decode_tokens_per_s": 200.0, "greedy_match": 1.0,
+                           "acceptance": 0.61}},
+        "llamacpp": {"all": {"tokens_per_s": 120.0, "decode_tokens_per_s": 125.0, "greedy_match": 0.5}},
+        "llamacpp-eagle3": {"all": {"tokens_per_s": 156.0, "decode_tokens_per_s": 162.5, "greedy_match": 0.5,
                                     "llamacpp_match": 1.0, "acceptance": 0.58}}}}
     (tmp_path / "docs/results/data/engines.json").write_text(json.dumps(engines))
     (tmp_path / "docs/results/data/conc.json").write_text(json.dumps(conc))
@@ -63,9 +64,10 @@ def test_tables_are_written_between_the_markers_from_the_json(tmp_path):
     assert "\nmiddle\n" in out and "<!-- /results:methods -->\nend\n" in out
     assert "| m | int8 | ar | 4 | 290.0 | 2.90× | 2.90× | 1.00 | yes |" in out
     assert "| m | int8 | ar | 50 ms | 80 ms (3 running) | 1.60× |" in out
-    assert "| m | int8 | eagle3 | 180.0 | 1.20× | 1.50× | 0.61 | 100% |" in out
-    assert "| m | int8 | llamacpp | 120.0 | 0.80× | 1.00× | - | - |" in out
-    assert "| m | int8 | llamacpp-eagle3 | 156.0 | 1.04× | 1.30× | 0.58 | 100% |" in out
+    assert "| m | int8 | ar | 150.0 | 1.00× | - | - |" in out
+    assert "| m | int8 | eagle3 | 180.0 | 1.25× | 0.61 | 100% |" in out
+    assert "| m | int8 | llamacpp | 120.0 | 1.00× | - | - |" in out
+    assert "| m | int8 | llamacpp-eagle3 | 156.0 | 1.30× | 0.58 | 100% |" in out
     page = (tmp_path / "docs/results/README.md").read_text()
     assert "## Plain decoding" in page and "## Methods" in page and "jakiro bench y" in page
     results.generate(str(tmp_path))  # idempotent

@@ -90,19 +90,20 @@ def concurrency_table(runs: list[dict], root: str) -> list[str]:
 
 def engines_table(runs: list[dict], root: str) -> list[str]:
     """One row per method of a ``jakiro bench`` run that holds llama.cpp beside us (one draft in
-    both engines): tokens/s, against our plain decoding and llama.cpp's, the share of drafted
-    tokens accepted, and whether each engine's speculative text equals its own plain text."""
-    rows = ["| model | inputs | method | tokens/s | × our plain | × llama.cpp plain | acceptance "
-            "| same text as the engine's plain |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    both engines): tokens/s (prefill included), the decoding speed against the same engine's plain
+    decoding (answers alone, after the prompt), the share of drafted tokens accepted, and whether
+    the engine's text equals its own plain decoding's."""
+    rows = ["| model | inputs | method | tokens/s | decoding × the engine's plain | acceptance "
+            "| same text as the engine's plain |", "|---|---|---|---:|---:|---:|---:|"]
     for run, d, mode in _run_data(runs, root):
-        llama = d["methods"].get("llamacpp", {}).get("all", {}).get("tokens_per_s")
+        plain = {m: d["methods"].get(m, {}).get("all", {}).get("decode_tokens_per_s") for m in ("ar", "llamacpp")}
         for method, per_cat in d["methods"].items():
             agg = per_cat["all"]
-            same = agg.get("llamacpp_match") if method.startswith("llamacpp") else agg.get("greedy_match")
-            if method == "llamacpp":
-                same = None
-            rows.append(f"| {run['model']} | {mode} | {method} | {_num(agg['tokens_per_s'])} | {_x(agg['speedup'])} "
-                        f"| {_x(agg['tokens_per_s'] / llama if llama else None)} "
+            own = "llamacpp" if method.startswith("llamacpp") else "ar"
+            same = None if method == own else agg.get("llamacpp_match" if own == "llamacpp" else "greedy_match")
+            dec = agg.get("decode_tokens_per_s")
+            rows.append(f"| {run['model']} | {mode} | {method} | {_num(agg['tokens_per_s'])} "
+                        f"| {_x(dec / plain[own] if dec and plain[own] else None)} "
                         f"| {_num(agg.get('acceptance'), 2) if agg.get('acceptance') is not None else '-'} "
                         f"| {'-' if same is None else f'{same:.0%}'} |")
     return rows
