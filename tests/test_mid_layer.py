@@ -13,7 +13,7 @@ from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
 from jakiro.errors import JakiroError
 from jakiro.models.target import TargetModel
 from jakiro.train.config import TrainConfig, parse_layers
-from jakiro.train.dataset import FeatureDataset
+from jakiro.train.feature_dataset import FeatureDataset
 from jakiro.train.trainer import Trainer
 from test_speculative_greedy import N_TOKENS, assert_same
 from test_train import config, make_feature_dataset, weights

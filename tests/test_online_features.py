@@ -12,7 +12,8 @@ from jakiro.errors import JakiroError
 from jakiro.models.features import FeatureModel
 from jakiro.models.target import TargetModel
 from jakiro.train.config import TrainConfig
-from jakiro.train.dataset import STATE_FILE, FeatureDataset, _write_shard
+from jakiro.train.dataset import STATE_FILE, _write_shard
+from jakiro.train.feature_dataset import FeatureDataset
 from jakiro.train.trainer import CALIBRATION_STEPS, Trainer, make_batch
 from test_train import config, make_feature_dataset, weights
 

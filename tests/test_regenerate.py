@@ -165,7 +165,7 @@ def test_device_stack_regenerates_what_the_cpu_kernels_do(smol):
 
 
 def _training_ids(jk, messages):
-    from jakiro.train.dataset import tokenize_conversation
+    from jakiro.train.records import tokenize_conversation
     return tokenize_conversation(jk.tokenizer, messages, 160)
 
 
@@ -192,7 +192,9 @@ def test_data_on_the_device_stack_resumes_and_builds_features(tmp_path, monkeypa
     import os
 
     import jakiro.train.dataset as dataset
-    from jakiro.train.dataset import FEATURES_PREFIX, DataConfig, FeatureDataset, build_dataset
+    from jakiro.train.dataset import DataConfig, build_dataset
+    from jakiro.train.regeneration import FEATURES_PREFIX
+    from jakiro.train.feature_dataset import FeatureDataset
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
     cfg = dict(source=str(src), max_len=96, regenerate="greedy", regen_max_tokens=12, regen_batch=3)
@@ -225,7 +227,8 @@ def test_the_target_writes_its_own_prompts_and_answers_them(smol, tmp_path):
     """``--source target-prompts``: each user turn is sampled from the chat template's user header
     alone, then answered as any other (greedy: the plain greedy answer to that prompt); a resumed
     run continues without repeating a prompt; the evaluation filter sees every written prompt."""
-    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    from jakiro.train.dataset import DataConfig, build_dataset
+    from jakiro.train.feature_dataset import FeatureDataset
     cfg = dict(source="target-prompts", regenerate="greedy", regen_max_tokens=12, regen_batch=2, max_len=160,
                tokens_only=True)
     out = tmp_path / "data"
@@ -262,7 +265,7 @@ def test_prompts_the_filter_refuses_never_enter_and_an_endless_refusal_stops(smo
     assert stats.prompts_rejected == 3 and stats.skipped_too_long == 0
     assert all(m[-1]["role"] == "user" and m[-1]["content"] for m in seen)
     monkeypatch.setattr(PromptFilter, "admit", lambda self, messages: False)
-    monkeypatch.setattr("jakiro.train.dataset.DROPS_IN_A_ROW", -15)  # 5 with one slot
+    monkeypatch.setattr("jakiro.train.regeneration.DROPS_IN_A_ROW", -15)  # 5 with one slot
     with pytest.raises(JakiroError, match="in a row ended without an answer"):
         build_dataset(str(tmp_path / "d"), DataConfig(None, source="target-prompts", regenerate="greedy",
                                                       regen_max_tokens=8, regen_batch=1, max_len=96,
@@ -270,7 +273,8 @@ def test_prompts_the_filter_refuses_never_enter_and_an_endless_refusal_stops(smo
 
 
 def test_a_time_limit_stops_regeneration_and_the_same_command_continues(tmp_path):
-    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    from jakiro.train.dataset import DataConfig, build_dataset
+    from jakiro.train.feature_dataset import FeatureDataset
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
     cfg = dict(source=str(src), max_len=96, regenerate="greedy", regen_max_tokens=12, regen_batch=2,
@@ -361,7 +365,7 @@ def test_a_saved_evaluation_filter_refuses_what_the_packages_do(tmp_path, monkey
 
 
 def test_truncated_answer_end_of_turn_is_not_a_training_target(smol):
-    from jakiro.train.dataset import tokenize_conversation
+    from jakiro.train.records import tokenize_conversation
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
     ids, mask = tokenize_conversation(smol.tokenizer, msgs, 100)
     ids_t, mask_t = tokenize_conversation(smol.tokenizer, [msgs[0], dict(msgs[1], truncated=True)], 100)
@@ -372,7 +376,8 @@ def test_truncated_answer_end_of_turn_is_not_a_training_target(smol):
 
 
 def test_regeneration_resumes_after_a_kill_without_duplicates(tmp_path):
-    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    from jakiro.train.dataset import DataConfig, build_dataset
+    from jakiro.train.feature_dataset import FeatureDataset
     src = tmp_path / "src.jsonl"
     mt = read_questions(mtbench_path())[1]["turns"][0]
     rows = CONVERSATIONS + [[{"role": "user", "content": mt}, {"role": "assistant", "content": "u"}],
@@ -404,7 +409,9 @@ def test_features_taken_in_the_regeneration_pass_equal_a_separate_pass(tmp_path)
     import os
     import shutil
 
-    from jakiro.train.dataset import FEATURES_PREFIX, DataConfig, FeatureDataset, build_dataset
+    from jakiro.train.dataset import DataConfig, build_dataset
+    from jakiro.train.regeneration import FEATURES_PREFIX
+    from jakiro.train.feature_dataset import FeatureDataset
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
     cfg = dict(source=str(src), max_len=96, regenerate="greedy", regen_max_tokens=12, regen_batch=3)
@@ -449,7 +456,8 @@ def test_mid_layer_streams_come_out_of_the_regeneration_pass(tmp_path):
     same file computes its own."""
     import shutil
 
-    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    from jakiro.train.dataset import DataConfig, build_dataset
+    from jakiro.train.feature_dataset import FeatureDataset
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS[:3]))
     out = tmp_path / "data"

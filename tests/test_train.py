@@ -347,7 +347,7 @@ def test_empty_and_malformed_datasets(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(JakiroError, match="not a jakiro dataset"):
-        from jakiro.train.dataset import FeatureDataset
+        from jakiro.train.feature_dataset import FeatureDataset
         FeatureDataset(str(empty))
 
 
@@ -361,7 +361,8 @@ def test_truncated_json_array_is_parsed_object_by_object(tmp_path):
 @pytest.mark.slow
 def test_data_build_resumes_without_duplicating_records(tmp_path, monkeypatch):
     from jakiro.models import smallgemm
-    from jakiro.train.dataset import DataConfig, FeatureDataset, build_dataset
+    from jakiro.train.dataset import DataConfig, build_dataset
+    from jakiro.train.feature_dataset import FeatureDataset
     src = tmp_path / "conv.jsonl"
     write_conversations(src, [[("human", f"Question number {i}: what is {i} plus {i}?"),
                                ("gpt", f"{i} plus {i} is {2 * i}.")] for i in range(7)]
@@ -608,7 +609,7 @@ def test_eval_draft_reproduces_the_trainers_heldout_metrics_and_tau(tmp_path, ti
 
 
 def test_several_dataset_folders_train_together_and_each_holds_out_its_last_records(tmp_path, tiny_setup):
-    from jakiro.train.dataset import FeatureDataset
+    from jakiro.train.feature_dataset import FeatureDataset
     from jakiro.train.trainer import heldout_split
     target, data = tiny_setup
     other = make_feature_dataset(str(tmp_path / "other"), target, n_records=40, seed=1)
@@ -633,7 +634,7 @@ def test_several_dataset_folders_train_together_and_each_holds_out_its_last_reco
 
 
 def test_datasets_of_different_targets_are_not_mixed(tmp_path, tiny_setup):
-    from jakiro.train.dataset import FeatureDataset
+    from jakiro.train.feature_dataset import FeatureDataset
     _, data = tiny_setup
     other = make_tiny_target(str(tmp_path / "target2"), "qwen2")
     folder = make_feature_dataset(str(tmp_path / "other"), other, n_records=4)

@@ -38,7 +38,7 @@ def extract(args) -> None:
     from transformers import AutoTokenizer
     from jakiro.models.hub import resolve_target
     from jakiro.models.target import TargetModel
-    from jakiro.train.dataset import tokenize_conversation
+    from jakiro.train.records import tokenize_conversation
 
     path = resolve_target()
     tokenizer = AutoTokenizer.from_pretrained(path)

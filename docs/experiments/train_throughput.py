@@ -46,7 +46,7 @@ def feature_rates(args) -> dict | None:
     """For a tokens-only dataset: real tokens a second of the target's features over the same
     batches, padded (one forward per batch) and by length (one per conversation, the CPU's way)."""
     from jakiro.models.hub import resolve_target
-    from jakiro.train.dataset import FeatureDataset
+    from jakiro.train.feature_dataset import FeatureDataset
 
     ds = FeatureDataset(args.data)
     model = ds.featurizer(resolve_target())

@@ -7,222 +7,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Iterator
 
 import torch
 
-from ..data.conversations import TARGET_PROMPTS_SOURCE, iter_conversations
 from ..data.decontaminate import evaluation_filter
 from ..errors import JakiroError
 from ..models.target import half_features
 from .config import DataConfig, parse_layers
+from .records import REGENERATED_FILE, _admitted, tokenize_conversation
+from .regeneration import _GeneratedFeatures, regenerate_conversations
 
 STATE_FILE = "state.json"
-
-
-def tokenize_conversation(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], list[int]] | None:
-    """Token ids and a loss mask that is 1 on assistant content (and its end-of-turn token, unless
-    the answer is marked ``truncated``), 0 on the template's headers and on user/system text."""
-    ids: list[int] = []
-    mask: list[int] = []
-    rendered = ""
-    for i, msg in enumerate(messages):
-        if msg["role"] == "assistant":
-            header = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tokenize=False)
-            full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-            answer = full[len(header):]
-            if msg.get("truncated"):
-                # an answer cut short (length limit, degenerate loop): the model did not end its
-                # turn there, so the template's end-of-turn is context, not a training target
-                cut = answer.find(msg["content"]) + len(msg["content"])
-                pieces = [(header[len(rendered):], 0), (answer[:cut], 1), (answer[cut:], 0)]
-            else:
-                pieces = [(header[len(rendered):], 0), (answer, 1)]
-        else:
-            full = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-            pieces = [(full[len(rendered):], 0)]
-        for text, label in pieces:
-            piece = tokenizer(text, add_special_tokens=False).input_ids
-            ids.extend(piece)
-            mask.extend([label] * len(piece))
-        rendered = full
-        if len(ids) >= max_len:
-            break
-    ids, mask = ids[:max_len], mask[:max_len]
-    return (ids, mask) if sum(mask) > 0 else None
-
-
-REGENERATED_FILE = "regenerated.jsonl"
-
-
-def _admitted(source: str, prompt_filter, skipped: list[int] | None = None
-              ) -> Iterator[tuple[int, list[dict] | None]]:
-    """(source index, messages or None) for every source record; None for records that are
-    unusable, touch an evaluation prompt or repeat an earlier first user turn. ``skipped``:
-    collect malformed lines there instead of stopping (``--skip-bad``)."""
-    for index, messages in enumerate(iter_conversations(source, skipped)):
-        if messages is not None and prompt_filter is not None and not prompt_filter.admit(messages):
-            messages = None
-        yield index, messages
-
-
-DROPS_IN_A_ROW = 100  # (plus 20 per slot) unanswered conversations in a row that stop a regeneration
-FEATURES_PREFIX = "regenerated-features-"  # features that came out of the regeneration's own forwards
-FEATURE_GROUP = 64  # conversations per such file
-
-
-def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, progress: bool = True,
-                             target=None) -> dict:
-    """Append the target's own answers to ``cfg.source``'s conversations to ``path`` (JSONL)
-    until it holds ``cfg.max_records`` conversations; resumes from what the file holds. The
-    features of each finished conversation, taken in the same forwards, are kept next to it
-    (``FEATURES_PREFIX`` files, keyed by the line), so the dataset pass need not compute them
-    (not for a tokens-only dataset). ``target``: what generates (default ``jk.target``; a
-    ``DeviceTarget`` on a GPU)."""
-    from tqdm import tqdm
-
-    from ..data.regenerate import Regenerator, read_done
-
-    done = read_done(path)
-    written = len(done)
-    if written >= cfg.max_records:
-        return {"conversations": 0, "already_regenerated": written}
-    in_flight = streak = 0
-    skipped: list[int] | None = [] if cfg.skip_bad else None
-    # prompts the target writes pass the filter once written (``Regenerator``'s admit), the
-    # kept ones of an earlier run included, so that a resumed run repeats none of them
-    admit, job_filter = None, prompt_filter
-    if cfg.source == TARGET_PROMPTS_SOURCE and prompt_filter is not None:
-        for messages in iter_conversations(path) if done else ():
-            prompt_filter.admit(messages)
-        admit, job_filter = prompt_filter.admit, None
-
-    records = _admitted(cfg.source, job_filter, skipped)
-
-    class Jobs:
-        """What a free slot takes next: nothing while the conversations asked for are written or
-        in flight, though a later one that ends unanswered frees its place (unlike a generator,
-        this iterator goes on after a StopIteration)."""
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            nonlocal in_flight
-            if written + in_flight >= cfg.max_records:
-                raise StopIteration
-            for index, messages in records:
-                if messages is not None and index not in done:
-                    in_flight += 1
-                    return index, messages
-            raise StopIteration
-
-    folder = os.path.dirname(path)
-    group: list[tuple[int, list[int], list[int], torch.Tensor]] = []
-    last_line = -1
-
-    def collect(record, ids, mask, features) -> None:
-        group.append((last_line, ids, mask, features))
-        if len(group) == FEATURE_GROUP:
-            _write_feature_group(folder, group)
-
-    tokenize = lambda messages: tokenize_conversation(jk.tokenizer, messages, cfg.max_len)  # noqa: E731
-    regen = Regenerator(target if target is not None else jk.target, jk.tokenizer, jk.engine("ar").eos_ids,
-                        cfg.regen_settings(), tokenize=tokenize, collect=None if cfg.tokens_only else collect,
-                        admit=admit)
-    bar = tqdm(total=cfg.max_records, initial=written, desc="regenerate", unit="conv", disable=not progress)
-    with open(path, "a", encoding="utf-8") as f:
-        def write(record: dict) -> None:
-            nonlocal written, in_flight, last_line, streak
-            try:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                f.flush()
-            except OSError as exc:
-                raise JakiroError(f"cannot append to {path}: {exc.strerror or exc}; the conversations "
-                                  f"already written are kept, rerun the same command to resume") from None
-            last_line = written
-            written += 1
-            streak = 0
-            in_flight -= 1
-            bar.update(1)
-
-        def on_step(stats) -> None:
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}", cut=stats.cut_tokens, refresh=False)
-
-        def dropped(index: int) -> None:  # ended without an answer: another job takes its place
-            nonlocal in_flight, streak
-            in_flight -= 1
-            streak += 1
-            if streak > DROPS_IN_A_ROW + 20 * cfg.regen_batch:  # an endless source must not spin forever
-                raise JakiroError(f"{streak} conversations in a row ended without an answer (prompts too long "
-                                  f"for --max-len {cfg.max_len}, or prompts the target wrote all refused); "
-                                  f"the {written} written are kept")
-
-        stats = regen.run(Jobs(), write, on_step, dropped)
-    if group:
-        _write_feature_group(folder, group)
-    bar.close()
-    report = stats.as_dict()
-    if prompt_filter is not None:
-        report.update(removed_evaluation=prompt_filter.contaminated, removed_duplicates=prompt_filter.duplicates)
-    if skipped is not None:
-        report["skipped_bad_lines"] = len(skipped)
-    return report
-
-
-def _write_feature_group(folder: str, group: list) -> None:
-    """Store and clear a group of (line, ids, mask, features); atomically, so a killed run leaves
-    whole files only (its last conversations' features are then computed by the dataset pass)."""
-    from safetensors.torch import save_file
-    existing = [n for n in os.listdir(folder) if n.startswith(FEATURES_PREFIX) and n.endswith(".safetensors")]
-    name = os.path.join(folder, f"{FEATURES_PREFIX}{len(existing):05d}.safetensors")
-    offsets = [0]
-    for _, ids, _, _ in group:
-        offsets.append(offsets[-1] + len(ids))
-    tensors = {"lines": torch.tensor([line for line, *_ in group], dtype=torch.int64),
-               "input_ids": torch.tensor([t for _, ids, _, _ in group for t in ids], dtype=torch.int32),
-               "loss_mask": torch.tensor([m for _, _, mask, _ in group for m in mask], dtype=torch.uint8),
-               "features": torch.cat([feats for *_, feats in group]),
-               "offsets": torch.tensor(offsets, dtype=torch.int64)}
-    try:
-        save_file(tensors, name + ".tmp")
-        os.replace(name + ".tmp", name)
-    except OSError as exc:
-        if os.path.exists(name + ".tmp"):
-            os.remove(name + ".tmp")
-        raise JakiroError(f"cannot write {name}: {exc.strerror or exc}; the regenerated conversations are "
-                          f"kept, rerun the same command to resume") from None
-    group.clear()
-
-
-class _GeneratedFeatures:
-    """The features the regeneration kept, by line of the regenerated file: ``get(line, ids)``
-    returns them where they were stored for exactly these training ids, else None."""
-
-    def __init__(self, folder: str):
-        from safetensors import safe_open
-        self.where: dict[int, tuple[str, int, int]] = {}
-        names = sorted(n for n in os.listdir(folder) if n.startswith(FEATURES_PREFIX) and n.endswith(".safetensors"))
-        self.files = {}
-        for name in names:
-            path = os.path.join(folder, name)
-            handle = safe_open(path, "pt")
-            self.files[path] = handle
-            offsets = handle.get_tensor("offsets").tolist()
-            for i, line in enumerate(handle.get_tensor("lines").tolist()):
-                self.where[line] = (path, offsets[i], offsets[i + 1])
-
-    def get(self, line: int, ids: list[int], width: int) -> torch.Tensor | None:
-        """``width``: values per token wanted (the final feature and any mid-layer streams)."""
-        found = self.where.get(line)
-        if found is None:
-            return None
-        path, a, b = found
-        handle = self.files[path]
-        features = handle.get_slice("features")
-        if features.get_shape()[1] != width or handle.get_slice("input_ids")[a:b].tolist() != ids:
-            return None
-        return features[a:b]
 
 
 def _write_shard(folder: str, index: int, records: list[tuple[list[int], list[int], torch.Tensor]]) -> str:
@@ -293,10 +88,8 @@ def _uses_device_stack(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.device) -> dict:
-    from tqdm import tqdm
-
-    target, tokenizer = jk.target, jk.tokenizer
+def _identity(cfg: DataConfig, target) -> dict:
+    """What makes two runs the same dataset (a resumed run must match it)."""
     identity = {"target_name": target.config.name, "hidden_size": target.config.hidden_size,
                 "vocab_size": target.config.vocab_size, "source": cfg.source, "max_len": cfg.max_len,
                 "regenerate": cfg.regenerate, "seed": cfg.seed}
@@ -312,15 +105,27 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.devic
     if aux_layers:
         target.check_aux_layers(aux_layers)
         identity["aux_layers"] = list(aux_layers)
+    return identity
+
+
+def _open_state(out: str, identity: dict) -> dict:
+    """The folder's state to continue, or a new one; a folder of another dataset is refused."""
     state = _read_state(out)
     if state is None:
         if any(f.startswith("shard-") and f.endswith(".safetensors") for f in os.listdir(out)):
             raise JakiroError(f"{out} holds shards but no {STATE_FILE}: refusing to mix datasets")
-        state = {"identity": identity, "records_done": 0, "records": 0, "tokens": 0,
-                 "loss_tokens": 0, "shards": [], "token_counts": {}}
-    elif state["identity"] != identity:
+        return {"identity": identity, "records_done": 0, "records": 0, "tokens": 0,
+                "loss_tokens": 0, "shards": [], "token_counts": {}}
+    if state["identity"] != identity:
         raise JakiroError(f"{out} already holds a dataset built with different settings "
                           f"({state['identity']}); use another --out")
+    return state
+
+
+def _source_records(out: str, cfg: DataConfig, jk, state: dict, progress: bool, device: torch.device):
+    """(the source file, its admitted records past what earlier runs and --first-record took,
+    the evaluation filter still to apply, the skipped-lines list or None): a regeneration first
+    answers the prompts and its file becomes the source."""
     prompt_filter = evaluation_filter() if cfg.filter_evaluation else None
     source = cfg.source
     if cfg.regenerate != "none":
@@ -334,14 +139,7 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.devic
         del generator
         prompt_filter = None  # the regenerated file holds admitted conversations only
     skipped: list[int] | None = [] if cfg.skip_bad and cfg.regenerate == "none" else None
-    # the features a regeneration kept beside its file (here, or beside a --source that is one)
-    generated = (_GeneratedFeatures(os.path.dirname(source))
-                 if os.path.basename(source) == REGENERATED_FILE and not cfg.tokens_only else None)
     records = _admitted(source, prompt_filter, skipped)
-    featurizer = None
-    if _uses_device_stack(device) and not cfg.tokens_only:
-        from ..models.features import FeatureModel
-        featurizer = FeatureModel(jk.target_path, aux_layers, device)
     for _ in range(cfg.first_record):  # conversations left to another dataset
         if next(records, None) is None:
             raise JakiroError(f"{cfg.source} holds fewer than {cfg.first_record} records: "
@@ -349,38 +147,67 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.devic
     for _ in range(state["records_done"]):  # resume: skip what the shards already cover
         if next(records, None) is None:
             break
+    return source, records, prompt_filter, skipped
+
+
+class _Features:
+    """A record's target features: those a regeneration kept beside its file, else computed by
+    the CPU target (or the device stack's ``FeatureModel``); None with --tokens-only."""
+
+    def __init__(self, cfg: DataConfig, jk, source: str, device: torch.device):
+        self.cfg, self.target, self.device = cfg, jk.target, device
+        self.aux_layers = parse_layers(cfg.aux_layers)
+        self.width = (1 + len(self.aux_layers)) * jk.target.config.hidden_size  # features, then streams
+        self.generated = (_GeneratedFeatures(os.path.dirname(source))
+                          if os.path.basename(source) == REGENERATED_FILE and not cfg.tokens_only else None)
+        self.featurizer = None
+        if _uses_device_stack(device) and not cfg.tokens_only:
+            from ..models.features import FeatureModel
+            self.featurizer = FeatureModel(jk.target_path, self.aux_layers, device)
+        self.computed_tokens = self.reused = 0
+
+    def __call__(self, line: int, ids: list[int]) -> torch.Tensor | None:
+        feats = self.generated.get(line, ids, self.width) if self.generated is not None else None
+        if feats is not None:
+            self.reused += 1
+            return feats
+        if self.cfg.tokens_only:
+            return None
+        with torch.inference_mode():
+            if self.featurizer is not None:
+                feats = self.featurizer(torch.tensor([ids], device=self.device))[0].cpu()
+            else:
+                cache = self.target.new_cache(len(ids))
+                _, feats = self.target(torch.tensor(ids), cache, logits_rows=slice(0, 0), aux_layers=self.aux_layers)
+        self.computed_tokens += len(ids)
+        return feats
+
+
+def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.device) -> dict:
+    from tqdm import tqdm
+
+    state = _open_state(out, _identity(cfg, jk.target))
+    source, records, prompt_filter, skipped = _source_records(out, cfg, jk, state, progress, device)
+    features = _Features(cfg, jk, source, device)
     consumed = state["records_done"]
     pending: list = []
     bar = tqdm(total=cfg.max_records, initial=state["records"], desc="features", unit="rec",
                disable=not progress)
     t0 = time.time()
-    feature_tokens = 0
-    counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
-    width = (1 + len(aux_layers)) * target.config.hidden_size  # values per token: features, then streams
+    counts = torch.zeros(jk.target.config.vocab_size, dtype=torch.long)
     while state["records"] + len(pending) < cfg.max_records:
         item = next(records, None)
         if item is None:
             break
         consumed += 1
-        messages = item[1]
-        if messages is None:
-            continue
-        tok = tokenize_conversation(tokenizer, messages, cfg.max_len)
+        tok = None if item[1] is None else tokenize_conversation(jk.tokenizer, item[1], cfg.max_len)
         if tok is None:
             continue
         ids, mask = tok
-        feats = generated.get(item[0], ids, width) if generated is not None else None
-        if feats is None and not cfg.tokens_only:
-            with torch.inference_mode():
-                if featurizer is not None:
-                    feats = featurizer(torch.tensor([ids], device=device))[0].cpu()
-                else:
-                    cache = target.new_cache(len(ids))
-                    _, feats = target(torch.tensor(ids), cache, logits_rows=slice(0, 0), aux_layers=aux_layers)
-            feature_tokens += len(ids)
-        elif feats is not None:
+        reused = features.reused
+        pending.append((ids, mask, features(item[0], ids)))
+        if features.reused > reused:
             state["features_from_regeneration"] = state.get("features_from_regeneration", 0) + 1
-        pending.append((ids, mask, feats))
         bar.update(1)
         if len(pending) == cfg.shard_size or state["records"] + len(pending) >= cfg.max_records:
             _flush(out, state, pending, consumed, counts)
@@ -388,12 +215,17 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.devic
     if pending:
         _flush(out, state, pending, consumed, counts)
     bar.close()
+    _finish_state(out, cfg, state, time.time() - t0, features.computed_tokens, prompt_filter, skipped)
+    return state
+
+
+def _finish_state(out: str, cfg: DataConfig, state: dict, seconds: float, feature_tokens: int, prompt_filter,
+                  skipped: list[int] | None) -> None:
     if state["records"] == 0:
         if state.get("regeneration_runs") and state["regeneration_runs"][-1].get("stopped_in_flight"):
             raise JakiroError(f"--regen-minutes {cfg.regen_minutes} ran out before any conversation was "
                               f"finished; run the same command again (with more minutes) to continue")
         raise JakiroError(f"no usable conversations in {cfg.source}")
-    seconds = time.time() - t0
     state["seconds"] = state.get("seconds", 0) + seconds
     if prompt_filter is not None:
         state["removed_evaluation"] = prompt_filter.contaminated
@@ -402,7 +234,6 @@ def _build_in(out: str, cfg: DataConfig, jk, progress: bool, device: torch.devic
         state["skipped_bad_lines"] = len(skipped)
     state["feature_tokens_per_s"] = round(feature_tokens / seconds, 1) if feature_tokens else None
     _save_state(out, state)
-    return state
 
 
 def _flush(out, state, pending, consumed, counts) -> None:
@@ -427,112 +258,3 @@ def _save_state(out: str, state: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(state, f)
     os.replace(tmp, os.path.join(out, STATE_FILE))
-
-
-class FeatureDataset:
-    """All records of one or more built datasets in memory: ids [N] int64, mask [N] bool,
-    features [N, width] (float16; None for datasets built with ``--tokens-only``), and per-record
-    offsets. ``folders``: a folder, a list of them, or
-    a comma-separated string (``--data A,B``); they must have been built for the same target,
-    and ``parts`` says how many records each contributed, in order."""
-
-    def __init__(self, folders: str | list[str]):
-        from safetensors.torch import load_file
-        if isinstance(folders, str):
-            folders = [f for f in folders.split(",") if f]
-        if not folders:
-            raise JakiroError("no dataset folder given")
-        self.folder = ",".join(folders)
-        ids, masks, feats, offsets = [], [], [], [0]
-        self.parts: list[int] = []
-        self.token_counts: dict[int, int] = {}
-        for folder in folders:
-            state = _read_state(folder)
-            if state is None:
-                raise JakiroError(f"{folder} is not a jakiro dataset (no {STATE_FILE}); build one with `jakiro data`")
-            if not state["shards"]:
-                raise JakiroError(f"dataset {folder} is empty")
-            ident = state["identity"]
-            if self.parts and _target_keys(ident) != _target_keys(self.identity):
-                raise JakiroError(f"datasets {folders[0]} and {folder} were built for different targets "
-                                  f"({self.identity['target_name']} and {ident['target_name']})")
-            if self.parts and bool(ident.get("tokens_only")) != self.tokens_only:
-                raise JakiroError(f"datasets {folders[0]} and {folder} differ in holding features (one was built "
-                                  f"with jakiro data --tokens-only); build them alike")
-            if self.parts and ident.get("aux_layers", []) != self.identity.get("aux_layers", []):
-                raise JakiroError(f"datasets {folders[0]} and {folder} hold different mid-layer streams "
-                                  f"({self.identity.get('aux_layers', [])} and {ident.get('aux_layers', [])}); "
-                                  f"build them with the same jakiro data --aux-layers")
-            if not self.parts:
-                self.identity = ident
-                self.tokens_only = bool(ident.get("tokens_only"))
-            records = len(offsets)
-            for name in state["shards"]:
-                try:
-                    shard = load_file(os.path.join(folder, name))
-                except Exception as exc:
-                    raise JakiroError(f"cannot read dataset shard {name} of {folder}: {exc}") from None
-                base = offsets[-1]
-                ids.append(shard["input_ids"].long())
-                masks.append(shard["loss_mask"].bool())
-                if not self.tokens_only:
-                    feats.append(shard["features"])
-                offsets.extend((shard["offsets"][1:] + base).tolist())
-            self.parts.append(len(offsets) - records)
-            for k, v in state["token_counts"].items():
-                self.token_counts[int(k)] = self.token_counts.get(int(k), 0) + v
-        self.ids = torch.cat(ids)
-        self.mask = torch.cat(masks)
-        # float16, converted per batch; None for tokens-only datasets (the trainer computes them)
-        self.features = torch.cat(feats) if feats else None
-        self.offsets = torch.tensor(offsets)
-
-    @property
-    def aux_layers(self) -> tuple[int, ...]:
-        """The layers whose residual streams follow each token's final feature (``jakiro data --aux-layers``)."""
-        return tuple(self.identity.get("aux_layers", ()))
-
-    def check_draft(self, draft_config) -> None:
-        """Refuse a draft that reads mid-layer streams this dataset does not hold."""
-        if draft_config.aux_layers and tuple(draft_config.aux_layers) != self.aux_layers:
-            held = f"the streams after layers {list(self.aux_layers)}" if self.aux_layers else "no mid-layer streams"
-            raise JakiroError(f"the draft reads the target's residual streams after layers {draft_config.aux_layers} "
-                              f"but dataset {self.folder} holds {held}; rebuild it with "
-                              f"jakiro data --aux-layers {','.join(map(str, draft_config.aux_layers))}")
-
-    def check_target(self, target) -> None:
-        """Refuse a target whose features or vocabulary differ from the one this dataset was built
-        with (a TargetModel)."""
-        ident, cfg = self.identity, target.config
-        if (ident["hidden_size"], ident["vocab_size"]) != (cfg.hidden_size, cfg.vocab_size):
-            raise JakiroError(f"dataset {self.folder} was built for {ident['target_name']} "
-                              f"(hidden {ident['hidden_size']}, vocab {ident['vocab_size']}), "
-                              f"not for this target ({cfg.name})")
-
-    def __len__(self) -> int:
-        return self.offsets.shape[0] - 1
-
-    @property
-    def width(self) -> int:
-        """Feature values per token: the final feature, then each mid-layer stream."""
-        return (1 + len(self.aux_layers)) * self.identity["hidden_size"]
-
-    def featurizer(self, target_dir: str, device: str | torch.device = "cpu"):
-        """What computes this dataset's features per batch: None where they are stored, else the
-        target's decoder stack (``FeatureModel``) on ``device``, with the streams the data names."""
-        if self.features is not None:
-            return None
-        from ..models.features import FeatureModel
-        return FeatureModel(target_dir, self.aux_layers, device)
-
-    def record(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self.ids[a:b], self.mask[a:b], None if self.features is None else self.features[a:b]
-
-    def frequent_tokens(self, n: int) -> torch.Tensor:
-        """The n most frequent token ids (ties by id); pads with the lowest unused ids."""
-        ranked = sorted(self.token_counts, key=lambda t: (-self.token_counts[t], t))[:n]
-        if len(ranked) < n:
-            seen = set(ranked)
-            ranked += [t for t in range(self.identity["vocab_size"]) if t not in seen][: n - len(ranked)]
-        return torch.tensor(ranked, dtype=torch.long)

@@ -22,7 +22,7 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
     from ..errors import JakiroError
     from ..models.hub import resolve_target
     from ..models.target import TargetModel
-    from .dataset import FeatureDataset
+    from .feature_dataset import FeatureDataset
     from .losses import heldout_metrics
 
     if not drafts:

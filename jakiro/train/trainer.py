@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ..draft import DraftConfig, DraftModel, load_draft, save_draft
 from ..errors import JakiroError
-from .dataset import FeatureDataset
+from .feature_dataset import FeatureDataset
 from .config import TrainConfig, parse_layers
 from .losses import draft_loss, heldout_metrics
 
