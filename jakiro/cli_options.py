@@ -266,8 +266,9 @@ def _add_export(sub) -> None:
     x.add_argument("--target", help="the draft's target (named model or .gguf; default smollm2-135m): checked "
                                     "against the draft, and its tokenizer goes into a gguf export")
     x.add_argument("--cache-dir", help="where models and their metadata are kept")
-    x.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="weight type written (gguf: float32 or float16)")
+    x.add_argument("--dtype", choices=("float32", "bfloat16", "float16", "q8_0"),
+                   help="weight type written: eagle3 float32 (default), bfloat16 or float16; gguf q8_0 (default, "
+                        "as our runtime streams a draft), float16 or float32")
 
 
 def _add_models(sub) -> None:

@@ -188,7 +188,8 @@ def test_gguf_export_is_what_llama_cpp_loads(tmp_path):
                        layers=8, hidden=64, inter=128, vocab=272)
     target = TargetModel.from_folder(resolve_target(path, str(tmp_path / "cache")))
     draft = _draft(tmp_path, target, "e3-gguf", vocab=32)
-    out = export(str(tmp_path / "e3-gguf"), "gguf", str(tmp_path / "draft.gguf"), path, str(tmp_path / "cache"))
+    out = export(str(tmp_path / "e3-gguf"), "gguf", str(tmp_path / "draft.gguf"), path, str(tmp_path / "cache"),
+                 "float32")
     r = gguf.GGUFReader(out[0])
     f = {k: v.contents() for k, v in r.fields.items()}
     assert f["general.architecture"] == "eagle3" and f["eagle3.block_count"] == 1
@@ -213,6 +214,16 @@ def test_gguf_export_is_what_llama_cpp_loads(tmp_path):
                        draft.k_proj.weight.detach())
     gate = torch.from_numpy(np.asarray(t["blk.0.ffn_gate.weight"].data).copy())
     assert torch.equal(gate, draft.gate_up[0, :c.intermediate_size].detach())
+    # the default: matrices in Q8_0 (as our runtime streams a draft), norms in float32
+    q8 = gguf.GGUFReader(export(str(tmp_path / "e3-gguf"), "gguf", str(tmp_path / "q8.gguf"), path,
+                                str(tmp_path / "cache"))[0])
+    types = {x.name: x.tensor_type for x in q8.tensors}
+    assert types["fc.weight"] == types["output.weight"] == types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert types["blk.0.attn_norm_2.weight"] == gguf.GGMLQuantizationType.F32
+    x = next(x for x in q8.tensors if x.name == "fc.weight")
+    fc = gguf.quants.dequantize(np.asarray(x.data), x.tensor_type)
+    want = draft.fc.weight.detach().numpy()
+    assert fc.shape == want.shape and np.abs(fc - want).max() <= np.abs(want).max() / 127 + 1e-6
 
 
 def test_layouts_without_a_slot_are_refused_with_what_has_none(deep, tmp_path):

@@ -285,11 +285,16 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def export_gguf(model, target_gguf: str, path: str, dtype: str = "float32") -> str:
+GGUF_TYPES = ("q8_0", "float16", "float32")
+
+
+def export_gguf(model, target_gguf: str, path: str, dtype: str = "q8_0") -> str:
     """Write the GGUF llama.cpp runs with ``--spec-type draft-eagle3 -md PATH`` beside the target
-    GGUF ``target_gguf`` (whose tokenizer the file carries, as llama.cpp requires)."""
+    GGUF ``target_gguf`` (whose tokenizer the file carries, as llama.cpp requires). ``dtype``: the
+    matrices' type; Q8_0 (the default) is what our runtime streams a draft as beside a quantized
+    target, a quarter of float32's bytes (norms stay float32)."""
     import numpy as np
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
 
     c = model.config
     refuse_unless_eagle3(c, "gguf")
@@ -328,10 +333,15 @@ def export_gguf(model, target_gguf: str, path: str, dtype: str = "float32") -> s
     tensors = {_GGUF_NAMES[k]: state[k] for k in _GGUF_NAMES}
     tensors.update({"blk.0.ffn_gate.weight": gate, "blk.0.ffn_up.weight": up,
                     "blk.0.ffn_down.weight": state["down"][0]})
-    matrix = np.float16 if dtype == "float16" else np.float32
+    if dtype not in GGUF_TYPES:
+        raise JakiroError(f"a GGUF draft's matrices are {', '.join(GGUF_TYPES)}, not {dtype}")
     for name, t in tensors.items():
-        a = t.contiguous().numpy()
-        w.add_tensor(name, a.astype(matrix if a.ndim == 2 else np.float32))
+        a = t.contiguous().numpy().astype(np.float32)
+        if a.ndim == 2 and dtype == "q8_0" and a.shape[1] % 32 == 0:
+            q = quants.quantize(a, GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a.astype(np.float16) if a.ndim == 2 and dtype == "float16" else a)
     ids = state["d2t"].to(torch.long) if "d2t" in state else torch.arange(c.vocab_size)
     w.add_tensor("d2t", ids.numpy().astype(np.int64))
     w.write_header_to_file()
@@ -343,10 +353,11 @@ def export_gguf(model, target_gguf: str, path: str, dtype: str = "float32") -> s
 
 
 def export(draft: str, fmt: str, out: str, target: str | None = None, cache_dir: str | None = None,
-           dtype: str = "float32") -> list[str]:
+           dtype: str | None = None) -> list[str]:
     """``jakiro export``: the draft folder ``draft`` in format ``fmt`` (``FORMATS``) at ``out``;
     ``target`` (a named model, GGUF file or folder; for ``gguf`` its file gives the tokenizer):
-    the draft is checked against it. Returns the files written."""
+    the draft is checked against it; ``dtype``: the weights' type (default float32 for a folder,
+    Q8_0 for a GGUF). Returns the files written."""
     from .checkpoint import check_compatible, load_draft, read_draft_config
 
     if fmt not in FORMATS:
@@ -358,7 +369,9 @@ def export(draft: str, fmt: str, out: str, target: str | None = None, cache_dir:
                           "feature, not three streams")
     model = load_draft(draft)
     if fmt == "eagle3":
-        return export_eagle3(model, out, dtype)
+        if dtype not in (None, "float32", "bfloat16", "float16"):
+            raise JakiroError(f"an eagle3 folder holds float32, bfloat16 or float16 weights, not {dtype}")
+        return export_eagle3(model, out, dtype or "float32")
     from ..models import gguf_file
     from ..models.hub import resolve_target
     from ..models.target import TargetModel
@@ -370,4 +383,4 @@ def export(draft: str, fmt: str, out: str, target: str | None = None, cache_dir:
     if not out.endswith(".gguf"):
         raise JakiroError(f"--out for --format gguf is a file name ending in .gguf, got {out}")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    return [export_gguf(model, gguf_file.source_file(folder), out, dtype)]
+    return [export_gguf(model, gguf_file.source_file(folder), out, dtype or "q8_0")]
