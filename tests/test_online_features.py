@@ -14,7 +14,8 @@ from jakiro.models.target import TargetModel
 from jakiro.train.config import TrainConfig
 from jakiro.train.dataset import STATE_FILE, _write_shard
 from jakiro.train.feature_dataset import FeatureDataset
-from jakiro.train.trainer import CALIBRATION_STEPS, Trainer, make_batch
+from jakiro.train.batches import make_batch
+from jakiro.train.trainer import CALIBRATION_STEPS, Trainer
 from test_train import config, make_feature_dataset, weights
 
 AUX = (1, 3)

@@ -610,7 +610,7 @@ def test_eval_draft_reproduces_the_trainers_heldout_metrics_and_tau(tmp_path, ti
 
 def test_several_dataset_folders_train_together_and_each_holds_out_its_last_records(tmp_path, tiny_setup):
     from jakiro.train.feature_dataset import FeatureDataset
-    from jakiro.train.trainer import heldout_split
+    from jakiro.train.batches import heldout_split
     target, data = tiny_setup
     other = make_feature_dataset(str(tmp_path / "other"), target, n_records=40, seed=1)
     one, two = FeatureDataset(data), FeatureDataset(other)

@@ -35,7 +35,7 @@ def _trainer(args, method: str, unroll: int, out: str):
 
 def _batches(args, trainer) -> list:
     """The first ``--batches`` training batches, features computed (outside any timing)."""
-    from jakiro.train.trainer import make_batch
+    from jakiro.train.batches import make_batch
 
     cfg = trainer.cfg
     return [make_batch(trainer.ds, trainer.train_idx[k * cfg.batch_size:(k + 1) * cfg.batch_size], cfg.seq_len,

@@ -4,7 +4,7 @@ different runs, or a draft against the one it was continued from, compare on the
 
 from __future__ import annotations
 
-from .trainer import heldout_batches, heldout_split, heldout_tau
+from .batches import heldout_batches, heldout_split, heldout_tau
 
 
 def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cache_dir: str | None = None,

@@ -17,8 +17,11 @@ import torch.distributed as dist
 
 from ..draft import DraftConfig, DraftModel, load_draft, save_draft
 from ..errors import JakiroError
+from .batches import heldout_batches, heldout_split, heldout_tau, make_batch
 from .feature_dataset import FeatureDataset
 from .config import TrainConfig, parse_layers
+from .report import describe_eval, plot_log
+from .upcycle import keeping_own, upcycle
 from .losses import draft_loss, heldout_metrics
 
 CALIBRATION_STEPS = 10  # --minutes: timed steps (after the first) that set the step count
@@ -40,41 +43,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def make_batch(ds: FeatureDataset, indices: list[int], seq_len: int, device,
-               noise: float = 0.0, noise_seed: int = 0, featurizer=None) -> tuple:
-    """Pad records to a common length: ids [B, T], feats [B, T, width] float32, mask [B, T] bool,
-    and the input noise [B, T, d]. A record's noise depends only on (noise_seed, its index), so a
-    batch is the same however it is split over processes and however often training resumes.
-    A tokens-only dataset's features come from ``featurizer`` (a ``FeatureModel`` on ``device``),
-    zero past each record's end as stored ones are."""
-    recs = [ds.record(i) for i in indices]
-    T = min(seq_len, max(r[0].shape[0] for r in recs))
-    B, d = len(recs), ds.identity["hidden_size"]
-    ids = torch.zeros(B, T, dtype=torch.long)
-    stored = ds.features is not None
-    feats = torch.zeros(B, T, ds.width) if stored else None  # wider than d with mid-layer streams
-    mask = torch.zeros(B, T, dtype=torch.bool)
-    lengths = torch.zeros(B, dtype=torch.long)
-    noises = torch.zeros(B, T, d)
-    for b, (i, m, f) in enumerate(recs):
-        n = lengths[b] = min(T, i.shape[0])
-        ids[b, :n], mask[b, :n] = i[:n], m[:n]
-        if stored:
-            feats[b, :n] = f[:n].float()
-        if noise > 0:
-            g = torch.Generator().manual_seed(noise_seed * 1_000_003 + indices[b])
-            noises[b, :n] = (torch.rand(n, d, generator=g) - 0.5) * noise
-    ids = ids.to(device)
-    if stored:
-        feats = feats.to(device)
-    else:
-        if featurizer is None:
-            raise JakiroError(f"dataset {ds.folder} holds no features (jakiro data --tokens-only) and no target "
-                              f"was given to compute them")
-        feats = featurizer(ids, lengths)
-    return ids, feats, mask.to(device), noises.to(device)
 
 
 class DraftLoss(torch.nn.Module):
@@ -103,63 +71,6 @@ def _upgrade_identity(previous: dict, current: dict) -> dict:
         for k in _MOE_SETTINGS:
             upgraded.pop(k, None)
     return upgraded
-
-
-def upcycle(model, dense) -> None:
-    """A Jakiro draft from an EAGLE-2 draft of the same width ("sparse upcycling"): the fusion
-    layer, attention and norms are the dense draft's, every expert starts as a copy of its MLP
-    and the routers keep their fresh initialisation. The first activated expert then drafts as
-    well as the dense draft from the first step, and training has only to make the experts
-    differ (the second expert's and the contrastive branch's losses), instead of learning the
-    whole draft again at a Jakiro step's price."""
-    c, dc = model.config, dense.config
-    if (c.intermediate_size, c.draft_vocab_size) != (dc.intermediate_size, dc.draft_vocab_size):
-        raise JakiroError(f"cannot upcycle: the EAGLE-2 draft has MLP width {dc.intermediate_size} and "
-                          f"draft vocabulary {dc.draft_vocab_size}, this Jakiro draft {c.intermediate_size} "
-                          f"and {c.draft_vocab_size}")
-    state = dense.state_dict()
-    with torch.no_grad():
-        for name in ("gate_up", "down"):
-            state[name] = state[name].expand(c.num_experts, *state[name].shape[1:]).clone()
-    model.load_state_dict(_keeping_own(state, model))
-
-
-def _keeping_own(state: dict, model) -> dict:
-    """``state`` with ``model``'s own values for what it lacks (fresh routers; a mid-layer map
-    that starts at zero, i.e. as the draft without mid-layer inputs)."""
-    own = model.state_dict()
-    return {**{k: v for k, v in own.items() if k not in state}, **state}
-
-
-def heldout_split(parts: int | list[int], eval_records: int) -> tuple[list[int], list[int]]:
-    """(training, held-out) record indices: of each part (the records of one dataset folder, in
-    order), the last ``eval_records`` records, at most 5 %, are held out."""
-    train, held = [], []
-    start = 0
-    for n_records in [parts] if isinstance(parts, int) else parts:
-        n_eval = min(eval_records, max(1, n_records // 20))
-        train += range(start, start + n_records - n_eval)
-        held += range(start + n_records - n_eval, start + n_records)
-        start += n_records
-    return train, held
-
-
-def heldout_tau(engine, ds: FeatureDataset, indices: list[int], tokens: int) -> float:
-    """τ of greedy decoding with ``engine`` on the first user turn of each record in ``indices``
-    (everything before the first answer token): committed tokens per target forward."""
-    from ..decoding.engine import Metrics
-    total = Metrics()
-    for i in indices:
-        ids, mask, _ = ds.record(i)
-        start = int(torch.nonzero(mask)[0]) if mask.any() else len(ids)
-        total.merge(engine.generate(ids[:start].tolist(), tokens).metrics)
-    return total.tau
-
-
-def heldout_batches(ds: FeatureDataset, indices: list[int], seq_len: int, device, size: int = 8, featurizer=None):
-    for start in range(0, len(indices), size):
-        ids, feats, mask, _ = make_batch(ds, indices[start:start + size], seq_len, device, featurizer=featurizer)
-        yield ids, feats, mask
 
 
 class Trainer:
@@ -309,7 +220,7 @@ class Trainer:
                       if k not in ("target_name", "aux_layers") and mine["jakiro"].get(k) != theirs["jakiro"].get(k))
         if diff:
             raise JakiroError(f"--init-from {path} is a different draft (differs in: {', '.join(diff)})")
-        self.model.load_state_dict(_keeping_own(init.state_dict(), self.model))
+        self.model.load_state_dict(keeping_own(init.state_dict(), self.model))
 
     def _load_checkpoint(self) -> None:
         model = load_draft(self.ckpt_dir)
@@ -466,44 +377,3 @@ class Trainer:
             json.dump({"config": asdict(cfg), "heldout_top1_per_step": ev["top1"], "heldout": ev,
                        "log": self.log}, f)
         plot_log(self.log, os.path.join(cfg.out, "train_plot.png"), cfg.method)
-
-
-def describe_eval(ev: dict) -> str:
-    """One line: top-1 per draft step, and for Jakiro the contrastive branch and expert agreement."""
-    line = "top-1 per step " + " ".join(f"{x:.3f}" for x in ev["top1"])
-    if "contrastive_top1" in ev:
-        line += ("; contrastive (two ahead) " + " ".join(f"{x:.3f}" for x in ev["contrastive_top1"])
-                 + f"; experts agree on top-1 {ev['expert_same_top1'][0]:.2f}, cos {ev['expert_cos'][0]:.2f}")
-    return line
-
-
-def plot_log(log: list[dict], path: str, title: str) -> None:
-    """Training loss per step, and held-out top-1 against training tokens: one line per draft
-    step (depth), dashed for the contrastive branch."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
-    fig = Figure(figsize=(11, 4))
-    a, b = fig.subplots(1, 2)
-    a.plot([r["step"] for r in log], [r["loss"] for r in log], lw=0.8)
-    a.set_xlabel("optimizer step")
-    a.set_ylabel("training loss (per loss token)")
-    a.set_yscale("log")
-    evals = [r for r in log if "eval_acc" in r]
-    x = [r.get("tokens", r["step"]) for r in evals]
-    for k in range(len(evals[0]["eval_acc"]) if evals else 0):
-        b.plot(x, [r["eval_acc"][k] for r in evals], marker="o", ms=3, label=f"draft step {k + 1}")
-    for k in range(len(evals[0].get("eval", {}).get("contrastive_top1", [])) if evals else 0):
-        b.plot(x, [r["eval"]["contrastive_top1"][k] for r in evals], ls="--", marker=".",
-               label=f"contrastive after step {k + 1}")
-    taus = [r for r in log if "tau" in r]
-    if taus:
-        t = b.twinx()
-        t.plot([r.get("tokens", r["step"]) for r in taus], [r["tau"] for r in taus], color="black", marker="s",
-               ms=4, label="greedy decoding τ (right axis)")
-        t.set_ylabel("τ (tokens per target forward)")
-        t.legend(fontsize=7, loc="lower right")
-    b.set_xlabel("training tokens (loss positions)" if evals and "tokens" in evals[0] else "optimizer step")
-    b.set_ylabel("held-out top-1 accuracy")
-    b.legend(fontsize=7)
-    fig.suptitle(f"{title} draft training")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
