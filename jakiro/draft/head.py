@@ -110,7 +110,7 @@ class HeadRows:
         the next most frequent tokens to a multiple of 16 rows (the tile kernel's unit)."""
         order = self._vocab_order()
         base = order[:limit]
-        if extra is None:
+        if extra is None or self.config.method == "eagle3":  # its own head has its vocabulary's rows only
             return base
         V = self._lm_head.shape[0]
         present = torch.zeros(V, dtype=torch.bool)
