@@ -74,7 +74,7 @@ class Jakiro:
         name, lookup = method, method.endswith("+pld")
         method = method.removesuffix("+pld")
         proposer: Proposer
-        tuned = source = None  # the tree chosen for this machine, and where it came from
+        source = None  # where the draft's tree came from (tuned for this machine, or its config)
         if method == "ar":
             proposer = Proposer()
         elif method == "draft-model":
@@ -86,33 +86,9 @@ class Jakiro:
                 from .decoding.adaptive import AdaptiveProposer
                 proposer = AdaptiveProposer(None, self.target, lookup=proposer, keep_costs=True, cache_dir=cache_dir)
         else:
-            from .draft.tuning import DEFAULT_TREE_KEY, default_tree, load_tuning
-            from .draft import load_draft
-            draft = draft or shipped_draft(method, self.target_path)
-            if draft is None:
-                raise JakiroError(f"method {method} needs a draft: none ships for this target; pass --draft PATH "
-                                  f"(jakiro train makes one)")
-            model = load_draft(draft, self.target)
-            if model.config.method != method:
-                raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
             explicit = budget is not None or static is not None
-            if budget is None and static is None:
-                record = load_tuning(draft, cache_dir, quantized=self.target.quantized_matrices > 0,
-                                     int8_activations=self.target.int8_activations)
-                if record:
-                    tuned, source = record["best"], record["path"]
-                else:  # no record for this machine: the tree the draft's config recommends, if any
-                    tuned = default_tree(draft)
-                    source = f"{os.path.join(draft, 'config.json')} ({DEFAULT_TREE_KEY})" if tuned else None
-                budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
-                if tuned and parallel_decoding is None:
-                    parallel_decoding = tuned.get("parallel_decoding")
-            try:
-                proposer = DraftProposer(model, budget or TreeBudget(), candidate_mode, parallel_decoding, static,
-                                         head_vocab=tuned.get("draft_vocab") if tuned else None,
-                                         prompt_vocab=prompt_vocab)
-            except ValueError as exc:
-                raise JakiroError(str(exc)) from None
+            proposer, source = self._draft_proposer(method, draft, budget, static, candidate_mode, parallel_decoding,
+                                                    cache_dir, prompt_vocab)
             if (adaptive and not explicit) or lookup:
                 from .decoding.adaptive import AdaptiveProposer
                 proposer = AdaptiveProposer(proposer, self.target, adaptive=adaptive and not explicit,
@@ -121,6 +97,40 @@ class Jakiro:
         engine = Engine(self.target, self.tokenizer, proposer, tuned=source)
         self.engines[name] = engine
         return engine
+
+    def _draft_proposer(self, method: str, draft: str | None, budget: TreeBudget | None, static,
+                        candidate_mode: str | None, parallel_decoding: bool | None, cache_dir: str | None,
+                        prompt_vocab: bool) -> tuple[DraftProposer, str | None]:
+        """A trained draft's proposer (the shipped one for ``method`` without ``draft``) on the
+        tree asked for, else the one tuned for this machine, else the draft's default tree; and
+        where that tree came from."""
+        from .draft.tuning import DEFAULT_TREE_KEY, default_tree, load_tuning
+        from .draft import load_draft
+        draft = draft or shipped_draft(method, self.target_path)
+        if draft is None:
+            raise JakiroError(f"method {method} needs a draft: none ships for this target; pass --draft PATH "
+                              f"(jakiro train makes one)")
+        model = load_draft(draft, self.target)
+        if model.config.method != method:
+            raise JakiroError(f"{draft} is a {model.config.method} draft, not {method}")
+        tuned = source = None
+        if budget is None and static is None:
+            record = load_tuning(draft, cache_dir, quantized=self.target.quantized_matrices > 0,
+                                 int8_activations=self.target.int8_activations)
+            if record:
+                tuned, source = record["best"], record["path"]
+            else:  # no record for this machine: the tree the draft's config recommends, if any
+                tuned = default_tree(draft)
+                source = f"{os.path.join(draft, 'config.json')} ({DEFAULT_TREE_KEY})" if tuned else None
+            budget = TreeBudget(tuned["depth"], tuned["top_k"], tuned["total_tokens"]) if tuned else TreeBudget()
+            if tuned and parallel_decoding is None:
+                parallel_decoding = tuned.get("parallel_decoding")
+        try:
+            return DraftProposer(model, budget or TreeBudget(), candidate_mode, parallel_decoding, static,
+                                 head_vocab=tuned.get("draft_vocab") if tuned else None,
+                                 prompt_vocab=prompt_vocab), source
+        except ValueError as exc:
+            raise JakiroError(str(exc)) from None
 
     def _draft_model_proposer(self, draft_model: str | None, budget: TreeBudget | None, cache_dir: str | None,
                               lookup: PromptLookupProposer | None):
