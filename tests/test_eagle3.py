@@ -132,6 +132,28 @@ def test_a_checkpoint_in_the_public_layout_loads_as_a_draft(deep, tmp_path, pref
         assert engine.generate(p, 64).token_ids == ref
 
 
+def test_a_checkpoint_written_by_speculators_gives_its_logits():
+    """A draft written by another implementation (speculators 0.9.0, Red Hat's EAGLE-3 trainer:
+    ``Eagle3Speculator``, ``layers.0.`` names, its config nested, the target's embedding saved with
+    it; tests/data/eagle3-speculators/make.py) loads and gives the logits that implementation's
+    own forward gave for the same target streams and tokens."""
+    from safetensors.torch import load_file
+    folder = os.path.join(os.path.dirname(__file__), "data", "eagle3-speculators")
+    assert draft_method(folder) == "eagle3"
+    draft = load_draft(folder)
+    assert draft.config.aux_layers == [2, 4, 5] and draft.config.draft_vocab_size == 48
+    ref = load_file(os.path.join(folder, "reference_logits.safetensors"))
+    embed = load_file(os.path.join(folder, "model.safetensors"))["embed_tokens.weight"]
+    draft.attach_target(embed, torch.zeros(256, 64))
+    T = ref["input_ids"].shape[0]
+    features = torch.cat((torch.zeros(T, 64), ref["hidden_states"]), -1)  # [final feature (unread), streams]
+    with torch.no_grad():
+        cache = draft.new_cache(T)
+        out = draft(draft.input_features(features)[None], ref["input_ids"][None], torch.arange(T), cache)
+        logits = draft.head_logits(out.blend[0])
+    torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("budget", [TreeBudget(1, 1, 1), TreeBudget(5, 1, 5), TreeBudget(4, 4, 16)])
 def test_eagle3_decoding_equals_plain_greedy(deep, budget):
     root, _, target, tok, prompts, reference, _ = deep
@@ -256,9 +278,12 @@ def test_eagle3_checkpoints_the_engine_cannot_run_are_refused(deep, tmp_path):
     from safetensors.torch import load_file, save_file
     ck = write_reference_checkpoint(str(tmp_path / "ck3"), 64, 256, 48, 4, 2, 96, None)
     state = load_file(os.path.join(ck, "model.safetensors"))
+    state["embed_tokens.weight"] = target.embed.to(torch.bfloat16)  # the target's, as trainers save it: runs
+    save_file(state, os.path.join(ck, "model.safetensors"))
+    assert load_draft(ck, target).config.method == "eagle3"
     state["embed_tokens.weight"] = torch.zeros(256, 64)
     save_file(state, os.path.join(ck, "model.safetensors"))
-    with pytest.raises(JakiroError, match="its own token embedding"):
+    with pytest.raises(JakiroError, match="its own token embedding differs from the target's"):
         load_draft(ck, target)
     del state["embed_tokens.weight"], state["norm.weight"]
     save_file(state, os.path.join(ck, "model.safetensors"))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 
 from ..errors import JakiroError
 from .config import DraftConfig
-from .eagle3_format import is_eagle3_folder, read_eagle3
+from .eagle3_format import EMBEDDING, is_eagle3_folder, read_eagle3
 from .model import DraftModel
 
 
@@ -73,8 +75,11 @@ def load_draft(folder: str, target=None) -> DraftModel:
 
     if is_eagle3_folder(folder):  # trained elsewhere, in the layout vLLM, SGLang and llama.cpp load
         config, state = read_eagle3(folder, None if target is None else target.config)
+        embedding = state.pop(EMBEDDING, None)
         if target is not None:
             check_compatible(config, target.config)
+            if embedding is not None:
+                _check_embedding(folder, embedding, target)
         return _finish(DraftModel(config), state, target)
     config = read_draft_config(folder)
     if target is not None:
@@ -87,6 +92,18 @@ def load_draft(folder: str, target=None) -> DraftModel:
     except (SafetensorError, OSError, ValueError) as exc:
         raise JakiroError(f"corrupted draft weights {weights}: {exc}") from None
     return _finish(DraftModel(config), state, target)
+
+
+def _check_embedding(folder: str, embedding: torch.Tensor, target) -> None:
+    """A draft that carries a token embedding runs on the target's: they must be the same (to
+    the rounding of a bfloat16 checkpoint)."""
+    own = target.dense_embedding()
+    if tuple(embedding.shape) != tuple(own.shape):
+        raise JakiroError(f"{folder}: its own token embedding is {tuple(embedding.shape)}, the target's "
+                          f"{tuple(own.shape)}: it was trained for another model")
+    if (embedding.float() - own).abs().max() > 1e-2 * own.abs().max():
+        raise JakiroError(f"{folder}: its own token embedding differs from the target's (jakiro drafts with the "
+                          f"target's embedding): it was trained for another model or trained its embedding")
 
 
 def _finish(model: DraftModel, state: dict, target) -> DraftModel:

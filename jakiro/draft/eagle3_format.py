@@ -41,6 +41,8 @@ _NAMES = {
     "norm": "norm.weight",
     "lm_head": "lm_head.weight",
 }
+# the token embedding a checkpoint may carry (the target's, saved with the draft by some trainers)
+EMBEDDING = "embed_tokens.weight"
 # the prefixes checkpoints use for the decoder layer (SpecForge/EAGLE: midlayer., vLLM/speculators)
 _LAYER_PREFIXES = ("midlayer.", "model.layers.0.", "layers.0.")
 # the same tensors in llama.cpp's GGUF names
@@ -185,6 +187,8 @@ def read_eagle3(folder: str, target_config=None, weights: bool = True
     ours["gate_up"] = torch.cat((state["midlayer.mlp.gate_proj.weight"],
                                  state["midlayer.mlp.up_proj.weight"])).float().unsqueeze(0)
     ours["down"] = state["midlayer.mlp.down_proj.weight"].float().unsqueeze(0)
+    if "embed_tokens.weight" in state:  # trainers save the target's embedding with the draft: checked on load
+        ours[EMBEDDING] = state["embed_tokens.weight"]
     if config.draft_vocab_size is not None:
         n = config.draft_vocab_size
         ids = torch.arange(n) + (state["d2t"].to(torch.long) if "d2t" in state else 0)
@@ -240,8 +244,6 @@ def _check_runnable(folder: str, cfg: dict, state: dict, layers: list[int]) -> N
         problems.append(f"{cfg['num_hidden_layers']} decoder layers")
     if len(layers) != EAGLE3_STREAMS:
         problems.append(f"{len(layers)} target streams")
-    if "embed_tokens.weight" in state:
-        problems.append("its own token embedding")
     if any(k.endswith("_proj.bias") for k in state):
         problems.append("attention biases")
     if problems:
