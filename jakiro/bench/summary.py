@@ -30,9 +30,8 @@ def _aggregate(turns: list[dict]) -> dict:
                    draft_fraction=m.draft_s / max(1e-9, m.draft_s + m.target_s),
                    plain_steps=m.plain_steps,  # cycles that drafted nothing
                    accepted_from={src: m.accepted_from.get(src, 0) for src in ("draft", "lookup", "both")})
-        drafted = sum(m.depth_tried)
-        if drafted:  # drafted tokens accepted (a chain's: llama.cpp's n_accept / n_drafted)
-            out["acceptance"] = sum(m.depth_accepted) / drafted
+        if m.drafted:  # draft tokens accepted per draft token verified (llama.cpp's n_accept / n_drafted)
+            out["acceptance"] = m.acceptance
     else:
         out["tau"] = None
     if all(t.get("llamacpp_drafted") is not None for t in turns):  # llama.cpp's speculation

@@ -34,6 +34,7 @@ class Metrics:
     total_s: float = 0.0
     committed: int = 0  # tokens committed by verification forwards (bonus included)
     plain_steps: int = 0  # verification forwards with no draft token (cost-aware drafting backed off)
+    drafted: int = 0  # draft tokens verified (a tree's nodes but its root)
     accepted_from: dict = field(default_factory=lambda: {"draft": 0, "lookup": 0, "both": 0})
     depth_tried: list[int] = field(default_factory=list)  # cycles whose tree reached depth d+1 ...
     depth_accepted: list[int] = field(default_factory=list)  # ... and the path got past depth d+1
@@ -42,6 +43,11 @@ class Metrics:
     def tau(self) -> float:
         """Tokens committed per target verification forward, bonus token included."""
         return self.committed / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """Draft tokens accepted per draft token verified (llama.cpp's n_accept / n_drafted)."""
+        return (self.committed - self.target_forwards) / self.drafted if self.drafted else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,7 +69,7 @@ class Metrics:
     def merge(self, other: "Metrics") -> "Metrics":
         """Add ``other``'s counts and times to these (in place; returns self)."""
         for name in ("prompt_tokens", "new_tokens", "target_forwards", "prefill_s", "draft_s", "target_s",
-                     "total_s", "committed", "plain_steps"):
+                     "total_s", "committed", "plain_steps", "drafted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for src, n in other.accepted_from.items():
             self.accepted_from[src] = self.accepted_from.get(src, 0) + n
@@ -86,7 +92,8 @@ class Metrics:
         return {
             "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
             "tokens_per_s": self.tokens_per_s, "tau": self.tau, "committed": self.committed,
-            "target_forwards": self.target_forwards, "plain_steps": self.plain_steps,
+            "target_forwards": self.target_forwards, "plain_steps": self.plain_steps, "drafted": self.drafted,
+            "acceptance": self.acceptance,
             "accepted_from": dict(self.accepted_from),
             "accept_rate_per_depth": self.accept_rate_per_depth,
             "depth_tried": list(self.depth_tried), "depth_accepted": list(self.depth_accepted),
@@ -200,6 +207,7 @@ class Sequence:
         metrics.target_s += target_s + time.perf_counter() - t0
         metrics.target_forwards += 1
         metrics.plain_steps += tree.size == 1
+        metrics.drafted += tree.size - 1
         metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
         tokens = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
         if proposer.needs_features:
