@@ -290,22 +290,11 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 GGUF_TYPES = ("q8_0", "float16", "float32")
 
 
-def export_gguf(model, target_gguf: str, path: str, dtype: str = "q8_0") -> str:
-    """Write the GGUF llama.cpp runs with ``--spec-type draft-eagle3 -md PATH`` beside the target
-    GGUF ``target_gguf`` (whose tokenizer the file carries, as llama.cpp requires). ``dtype``: the
-    matrices' type; Q8_0 (the default) is what our runtime streams a draft as beside a quantized
-    target, a quarter of float32's bytes (norms stay float32)."""
-    import numpy as np
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
+def _gguf_metadata(w, config: DraftConfig, target_gguf: str) -> None:
+    """The eagle3 architecture's keys, and the target's tokenizer as it is."""
+    from gguf import GGUFReader, GGUFValueType
 
-    c = model.config
-    refuse_unless_eagle3(c, "gguf")
-    if c.rope_parameters.get("rope_type", "default") != "default":
-        raise JakiroError(f"RoPE scaling {c.rope_parameters.get('rope_type')!r} is not written to the GGUF yet")
-    reader = GGUFReader(target_gguf)
-    arch = "eagle3"
-    tmp = path + ".tmp"
-    w = GGUFWriter(tmp, arch)
+    c = config
     w.add_name(f"{c.target_name or 'target'} EAGLE-3 draft (jakiro)")
     w.add_block_count(1)
     w.add_context_length(c.max_position_embeddings)
@@ -319,33 +308,56 @@ def export_gguf(model, target_gguf: str, path: str, dtype: str = "q8_0") -> str:
     w.add_rope_freq_base(float(c.rope_parameters.get("rope_theta", 10000.0)))
     w.add_rope_dimension_count(c.head_dim)
     w.add_vocab_size(c.vocab_size)
-    w.add_array(f"{arch}.target_layers", [int(x) for x in c.aux_layers])
-    w.add_uint32(f"{arch}.target_hidden_size", c.hidden_size)
-    for name, field in reader.fields.items():  # the target's tokenizer, as it is
-        if not name.startswith("tokenizer."):
-            continue
-        vtype = field.types[0]
-        sub = field.types[1] if vtype == GGUFValueType.ARRAY and len(field.types) > 1 else None
-        w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    w.add_array(f"{w.arch}.target_layers", [int(x) for x in c.aux_layers])
+    w.add_uint32(f"{w.arch}.target_hidden_size", c.hidden_size)
+    for name, field in GGUFReader(target_gguf).fields.items():
+        if name.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[1] if vtype == GGUFValueType.ARRAY and len(field.types) > 1 else None
+            w.add_key_value(name, field.contents(), vtype, sub_type=sub)
+
+
+def _gguf_tensors(model) -> dict[str, torch.Tensor]:
+    """The draft's tensors under llama.cpp's names, q/k rows in its RoPE order."""
+    c = model.config
     state = {k: v.detach().float() if v.is_floating_point() else v.detach() for k, v in model.state_dict().items()}
-    H, Hkv = c.num_attention_heads, c.num_key_value_heads
-    state["q_proj.weight"] = _permute(state["q_proj.weight"], H)
-    state["k_proj.weight"] = _permute(state["k_proj.weight"], Hkv)
+    state["q_proj.weight"] = _permute(state["q_proj.weight"], c.num_attention_heads)
+    state["k_proj.weight"] = _permute(state["k_proj.weight"], c.num_key_value_heads)
     gate, up = state.pop("gate_up")[0].chunk(2, dim=0)
     tensors = {_GGUF_NAMES[k]: state[k] for k in _GGUF_NAMES}
     tensors.update({"blk.0.ffn_gate.weight": gate, "blk.0.ffn_up.weight": up,
                     "blk.0.ffn_down.weight": state["down"][0]})
+    tensors["d2t"] = state["d2t"].to(torch.long) if "d2t" in state else torch.arange(c.vocab_size)
+    return tensors
+
+
+def export_gguf(model, target_gguf: str, path: str, dtype: str = "q8_0") -> str:
+    """Write the GGUF llama.cpp runs with ``--spec-type draft-eagle3 -md PATH`` beside the target
+    GGUF ``target_gguf`` (whose tokenizer the file carries, as llama.cpp requires). ``dtype``: the
+    matrices' type; Q8_0 (the default) is what our runtime streams a draft as beside a quantized
+    target, a quarter of float32's bytes (norms stay float32)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    c = model.config
+    refuse_unless_eagle3(c, "gguf")
+    if c.rope_parameters.get("rope_type", "default") != "default":
+        raise JakiroError(f"RoPE scaling {c.rope_parameters.get('rope_type')!r} is not written to the GGUF yet")
     if dtype not in GGUF_TYPES:
         raise JakiroError(f"a GGUF draft's matrices are {', '.join(GGUF_TYPES)}, not {dtype}")
-    for name, t in tensors.items():
+    tmp = path + ".tmp"
+    w = GGUFWriter(tmp, "eagle3")
+    _gguf_metadata(w, c, target_gguf)
+    for name, t in _gguf_tensors(model).items():
+        if name == "d2t":
+            w.add_tensor(name, t.numpy().astype(np.int64))
+            continue
         a = t.contiguous().numpy().astype(np.float32)
         if a.ndim == 2 and dtype == "q8_0" and a.shape[1] % 32 == 0:
             q = quants.quantize(a, GGMLQuantizationType.Q8_0)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(name, a.astype(np.float16) if a.ndim == 2 and dtype == "float16" else a)
-    ids = state["d2t"].to(torch.long) if "d2t" in state else torch.arange(c.vocab_size)
-    w.add_tensor("d2t", ids.numpy().astype(np.int64))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
