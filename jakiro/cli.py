@@ -68,15 +68,9 @@ def cmd_generate(args) -> int:
     out = {"method": result.method, "text": result.text, "token_ids": result.token_ids,
            "finish_reason": result.finish_reason, "int8_activations": jk.target.int8_activations,
            **result.metrics.as_dict()}
-    drafter = getattr(engine.proposer, "inner", engine.proposer)  # the draft inside cost-aware drafting
-    if hasattr(drafter, "budget"):
-        b = drafter.budget
-        out["tree"] = {"depth": b.depth, "top_k": b.top_k, "total_tokens": b.total_tokens,
-                       "candidate_mode": drafter.mode, "parallel_decoding": drafter.parallel,
-                       "draft_vocab": drafter.head_vocab or drafter.draft.config.draft_vocab_size,
-                       "prompt_vocab": drafter.prompt_vocab,
-                       "tuned": engine.tuned, "adaptive": getattr(engine.proposer, "adaptive", False),
-                       "static": drafter.static.as_list() if drafter.static else None}
+    tree = _tree_of(engine)
+    if tree:
+        out["tree"] = tree
     if args.compare and result.method != "ar":
         # plain decoding after each run of the method, the method's later runs silent: the medians
         # compare the two under the same moments of a shared machine
@@ -94,23 +88,36 @@ def cmd_generate(args) -> int:
         out["ar_tokens_per_s"] = statistics.median(ar_rates)
         out["speedup"] = out["median_tokens_per_s"] / out["ar_tokens_per_s"]
         out["same_as_ar"] = plains[0].token_ids == result.token_ids
-    if args.json:
-        print(json.dumps(out))
-    else:
-        m = result.metrics
-        plain = (f", {m.plain_steps} of them plain steps where speculating would not pay"
-                 if m.plain_steps and result.method != "ar" else "")
-        if "speedup" in out:
-            rounds = args.compare_rounds
-            how = f"medians of {rounds} interleaved runs each" if rounds > 1 else "one run each"
-            line = (f"\n\n[{result.method}] {m.new_tokens} tokens, tau {m.tau:.2f} ({m.target_forwards} target "
-                    f"forwards{plain}): {out['median_tokens_per_s']:.1f} tokens/s against plain decoding's "
-                    f"{out['ar_tokens_per_s']:.1f} ({how}) -> speedup {out['speedup']:.2f}x")
-        else:
-            line = (f"\n\n[{result.method}] {m.new_tokens} tokens in {m.total_s:.2f} s: "
-                    f"{m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f} ({m.target_forwards} target forwards{plain})")
-        print(line)
+    print(json.dumps(out) if args.json else _summary_line(result, out, args.compare_rounds))
     return 0
+
+
+def _tree_of(engine) -> dict | None:
+    """The tree a draft method drafts (``generate --json``'s ``tree``), None for the others."""
+    drafter = getattr(engine.proposer, "inner", engine.proposer)  # the draft inside cost-aware drafting
+    if not hasattr(drafter, "budget"):
+        return None
+    b = drafter.budget
+    return {"depth": b.depth, "top_k": b.top_k, "total_tokens": b.total_tokens,
+            "candidate_mode": drafter.mode, "parallel_decoding": drafter.parallel,
+            "draft_vocab": drafter.head_vocab or drafter.draft.config.draft_vocab_size,
+            "prompt_vocab": drafter.prompt_vocab,
+            "tuned": engine.tuned, "adaptive": getattr(engine.proposer, "adaptive", False),
+            "static": drafter.static.as_list() if drafter.static else None}
+
+
+def _summary_line(result, out: dict, rounds: int) -> str:
+    """The line after the streamed answer: tokens, τ and speed (and the speedup with --compare)."""
+    m = result.metrics
+    plain = (f", {m.plain_steps} of them plain steps where speculating would not pay"
+             if m.plain_steps and result.method != "ar" else "")
+    if "speedup" in out:
+        how = f"medians of {rounds} interleaved runs each" if rounds > 1 else "one run each"
+        return (f"\n\n[{result.method}] {m.new_tokens} tokens, tau {m.tau:.2f} ({m.target_forwards} target "
+                f"forwards{plain}): {out['median_tokens_per_s']:.1f} tokens/s against plain decoding's "
+                f"{out['ar_tokens_per_s']:.1f} ({how}) -> speedup {out['speedup']:.2f}x")
+    return (f"\n\n[{result.method}] {m.new_tokens} tokens in {m.total_s:.2f} s: "
+            f"{m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f} ({m.target_forwards} target forwards{plain})")
 
 
 def _load_for_session(args):
