@@ -4,7 +4,8 @@ import torch
 
 from jakiro.decoding.engine import Engine
 from jakiro.decoding.proposers import TreeBudget
-from jakiro.decoding.draft_proposer import PROMPT_VOCAB_MAX, DraftProposer
+from jakiro.decoding.draft_proposer import DraftProposer
+from jakiro.decoding.request_head import PROMPT_VOCAB_MAX
 
 from test_speculative_greedy import assert_same, random_draft
 from test_static_tree import draft_tree

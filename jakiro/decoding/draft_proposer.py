@@ -10,6 +10,7 @@ import torch
 
 from ..models.linear import SMALL_ROWS
 from .proposers import Proposer, TreeBudget
+from .request_head import ANSWER_VOCAB_MAX, RequestHead
 from .sampling import SamplingParams, processed_probs, sample
 from .tree import DRAFT, Tree, build_tree, chain_tree, select_nodes
 
@@ -19,12 +20,6 @@ PROMPT_WINDOW = 512  # a draft reads at most this many of a prompt's last positi
 # and reading an 854-token RAG prompt took 25-28 ms, three target forwards, before the first
 # proposal. Positions come from the draft cache's length, so the window only moves every
 # position back by the same amount: the rotary attention between the rows read is unchanged.
-PROMPT_VOCAB_MAX = 512  # at most this many of a prompt's tokens join the draft head (a long
-# prompt's rarest tokens would cost head rows for little)
-ANSWER_VOCAB_MAX = 512  # at most this many tokens of a request's own answer join its head beyond
-# the prompt's: an answer repeats the names and rare words it introduced (the README's first
-# prompt: 0.72 of its answer's tokens are in the tuned 2,048-token head, 0.85 once the answer's
-# earlier tokens join it: docs/experiments/answer_vocab_ab.py)
 
 
 class _Candidates:
@@ -55,7 +50,7 @@ class _Candidates:
         return tree
 
 
-class DraftProposer(Proposer):
+class DraftProposer(RequestHead, Proposer):
     """EAGLE-2 dynamic tree from a draft model; with a Jakiro draft, candidates come from the
     activated experts (``decoupled``) or from their blend (``blended``), and with parallel
     decoding the last tree layer comes from the contrastive branch of the previous forward."""
@@ -123,55 +118,6 @@ class DraftProposer(Proposer):
         chains while ``draw_chains`` is off (for comparisons)."""
         drawn = self.draw_chains and params is not None and not params.greedy
         self._sampling = (params, generator or params.generator()) if drawn else None
-
-    @property
-    def head(self):
-        """The draft head rows this request scores (a ``DraftHead``)."""
-        if self._head is None:
-            self._head = self.draft.head(self.head_vocab)
-        return self._head
-
-    @property
-    def answer_rows(self) -> int:
-        """Tokens of this request's answer its head has taken in (``answer_vocab`` at most)."""
-        return self._answer_rows
-
-    def prompt_tokens(self, context: list[int]) -> torch.Tensor:
-        """The tokens of a prompt ``context`` that the draft vocabulary in use (its first
-        ``head_vocab`` entries) lacks, the most repeated first, at most ``PROMPT_VOCAB_MAX``.
-        Answers copy names, numbers and rare words from their prompt (summaries, extraction,
-        RAG): on Spec-Bench answers of SmolLM2-135M-Instruct a 2,048-token head holds 0.77 of the
-        answer tokens, with the prompt's tokens 0.91 (``jakiro bench``'s ``head_coverage``)."""
-        uniq, counts = torch.tensor(context, dtype=torch.long).unique(return_counts=True)
-        absent = ~torch.isin(uniq, self.draft.head(self.head_vocab).ids)
-        uniq, counts = uniq[absent], counts[absent]
-        return uniq[torch.argsort(counts, descending=True, stable=True)[:PROMPT_VOCAB_MAX]]
-
-    def prompt_head(self, context: list[int]):
-        """The head for a request whose prompt is ``context``: the draft vocabulary in use plus
-        ``prompt_tokens(context)``."""
-        return self.draft.head(self.head_vocab, extra=self.prompt_tokens(context))
-
-    def _take_in(self, context: list[int]) -> None:
-        """The request's head takes in the tokens committed since its last proposal that the
-        draft vocabulary in use lacks (at most ``answer_vocab`` over the request), after the
-        prompt's (``prompt_tokens``, at its first proposal): the rows it had keep their layout
-        (``DraftModel.extend_head``)."""
-        if self._grown_to is None:
-            extra = self.prompt_tokens(context)
-            self._extra = extra.tolist()
-            self._head_tokens = set(self.draft.head(self.head_vocab).ids.tolist()) | set(self._extra)
-            self._head = self.draft.head(self.head_vocab, extra=extra)  # ``prompt_head(context)``
-        else:
-            room = self.answer_vocab - self._answer_rows
-            new = [t for t in dict.fromkeys(context[self._grown_to:]) if t not in self._head_tokens][:max(room, 0)]
-            if new:
-                self._extra += new
-                self._head_tokens.update(new)
-                self._answer_rows += len(new)
-                self._head = self.draft.extend_head(self._head, torch.tensor(self._extra, dtype=torch.long),
-                                                    self.head_vocab)
-        self._grown_to = len(context)
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         # kept as the target gave them: the mid-layer map (``input_features``) runs once over all
