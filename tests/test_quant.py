@@ -367,7 +367,7 @@ def test_a_request_head_lays_out_only_its_new_rows(smol):
     quantized target (GGUF blocks) and on a float32 one (packed weight), scoring as those rows."""
     from jakiro.api import shipped_draft
     from jakiro.draft import load_draft
-    from jakiro.draft.model import DraftHead
+    from jakiro.draft.head import DraftHead
     from jakiro.models.target import TargetModel
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
     for target, tol in ((smol.target, 0.5), (TargetModel.from_folder(smol.target_path, quantized=False), 1e-3)):

@@ -134,29 +134,31 @@ class HeadRows:
         most frequent, entries), plus the target tokens of ``extra`` it lacks (a request's
         prompt: tokens a prompt holds are far likelier in its answer than their overall frequency
         says, and the target's head scores every token, so the draft's predicted feature scores
-        them too). The plain vocabulary heads are built once and kept."""
-        own = self.config.method == "eagle3"  # its own rows (kept while they do not change)
-        key = (limit, self.lm_head.data_ptr(), self.lm_head._version) if own else limit
-        base = self._heads.get(key)
-        if base is None:
-            if own:
-                weight = self.lm_head.detach()[:limit]
-                base = DraftHead(self._vocab_order()[:limit], weight, None, weight=weight)
-            else:
-                base = DraftHead(self._vocab_order()[:limit], self._lm_head, self._head_blocks,
-                                 weight=self.head_weight[:limit])
-            self._heads[key] = base
-        if extra is None or self.config.method == "eagle3":  # its head has the draft vocabulary's rows only
+        them too). The plain vocabulary heads are built once and kept (an EAGLE-3 head, whose rows
+        are its own weights, again whenever training changed them)."""
+        own = self.config.method == "eagle3"
+        stamp = (self.lm_head.data_ptr(), self.lm_head._version) if own else None
+        entry = self._heads.get(limit)
+        if entry is None or entry[0] != stamp:
+            weight = self._rows_weight().detach()[:limit]
+            base = (DraftHead(self._vocab_order()[:limit], weight, None, weight=weight) if own else
+                    DraftHead(self._vocab_order()[:limit], self._lm_head, self._head_blocks, weight=weight))
+            entry = self._heads[limit] = (stamp, base)
+        base = entry[1]
+        if extra is None:
             return base
-        ids = self.head_ids(limit, extra)
+        ids = self.head_ids(limit, extra)  # an EAGLE-3 head takes in no extra tokens: ``base``'s ids
         return base if len(ids) == base.size else DraftHead(ids, self._lm_head, self._head_blocks, base=base)
+
+    def _rows_weight(self) -> torch.Tensor:
+        """The weight of the draft vocabulary's rows in vocabulary order: EAGLE-3's own head, else
+        the target's head rows."""
+        return self.lm_head if self.config.method == "eagle3" else self.head_weight
 
     def extend_head(self, head: DraftHead, extra: torch.Tensor, limit: int | None = None) -> DraftHead:
         """``head(limit, extra)`` for a request whose head ``head`` was built from the first
         entries of ``extra``: the groups of 16 rows the two share keep their layout, only the
         rows after them (the new tokens and the padding) are laid out."""
-        if self.config.method == "eagle3":
-            return head
         ids = self.head_ids(limit, extra)
         if torch.equal(ids, head.ids):
             return head
@@ -175,8 +177,7 @@ class HeadRows:
         if self.config.method == "eagle3":
             features = F.rms_norm(features, (features.shape[-1],), self.norm, self.config.rms_norm_eps)
         if self.training or torch.is_grad_enabled():
-            own = self.lm_head if self.config.method == "eagle3" else self.head_weight
-            weight = head.weight if isinstance(head, DraftHead) else own[:head]
+            weight = head.weight if isinstance(head, DraftHead) else self._rows_weight()[:head]
             return F.linear(features, weight)
         flat = features.reshape(-1, features.shape[-1])
         return self._head_of(head)(flat).view(*features.shape[:-1], -1)

@@ -20,7 +20,7 @@ from ..models.linear import FastLinear
 from ..models.target import ROPE_SLACK, embedding_rows, rope_tables
 from .config import DraftConfig
 from .fused import FusedSteps
-from .head import INPUT_BYTES, DraftHead, HeadRows
+from .head import INPUT_BYTES, HeadRows
 
 @dataclass
 class DraftOutput:
@@ -97,7 +97,7 @@ class DraftModel(HeadRows, FusedSteps, nn.Module):
         self.embed: torch.Tensor | None = None  # target's, frozen, attached by attach_target
         self.head_weight: torch.Tensor | None = None  # [head_vocab, d]
         self._lm_head: torch.Tensor | None = None  # the target's whole LM head [V, d]
-        self._heads: dict[int | None, DraftHead] = {}
+        self._heads: dict[int | None, tuple] = {}  # limit -> (weights stamp, DraftHead)
         self._fast: dict[str, tuple] = {}  # inference copies of the layers: name -> (stamp, FastLinear)
         self._head_blocks: tuple[str, torch.Tensor] | None = None
         # inference streams the layers as Q8_0 blocks (set with a quantized target: the draft
