@@ -45,9 +45,22 @@ def _aggregate(turns: list[dict]) -> dict:
     return out
 
 
+def _turn_ids(rows: list[dict]) -> dict:
+    """(question id, turn) -> the answer's token ids."""
+    return {(r["question_id"], i): t["token_ids"] for r in rows for i, t in enumerate(r["turns"])}
+
+
+def _share_same(sel: list[dict], reference: dict) -> float:
+    """The share of the turns of ``sel`` whose tokens equal the reference's (``_turn_ids``)."""
+    same = [t["token_ids"] == reference[(r["question_id"], i)] for r in sel for i, t in enumerate(r["turns"])]
+    return sum(same) / len(same)
+
+
 def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
     categories = sorted({r["category"] for r in records["ar"]})
-    ar_turns = {(r["question_id"], i): t for r in records["ar"] for i, t in enumerate(r["turns"])}
+    ar_ids = _turn_ids(records["ar"])
+    # llama.cpp's speculation is also held against its own plain text
+    llama_ids = _turn_ids(records["llamacpp"]) if "llamacpp" in records else None
     result = {"config": {k: v for k, v in cfg.__dict__.items() if k != "int8_activations"}, "threads": torch.get_num_threads(),
               "quantized_weights": quant.enabled(), "int8_activations": cfg.int8_activations, "methods": {}}
     for m, rows in records.items():
@@ -57,14 +70,9 @@ def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
             turns = [t for r in sel for t in r["turns"]]
             agg = _aggregate(turns)
             if cfg.temperature == 0:
-                same = [t["token_ids"] == ar_turns[(r["question_id"], i)]["token_ids"]
-                        for r in sel for i, t in enumerate(r["turns"])]
-                agg["greedy_match"] = sum(same) / len(same)
-                if m.startswith("llamacpp-") and "llamacpp" in records:  # llama.cpp's speculation vs its own plain text
-                    plain = {(r["question_id"], i): t["token_ids"] for r in records["llamacpp"]
-                             for i, t in enumerate(r["turns"])}
-                    same = [t["token_ids"] == plain[(r["question_id"], i)] for r in sel for i, t in enumerate(r["turns"])]
-                    agg["llamacpp_match"] = sum(same) / len(same)
+                agg["greedy_match"] = _share_same(sel, ar_ids)
+                if m.startswith("llamacpp-") and llama_ids is not None:
+                    agg["llamacpp_match"] = _share_same(sel, llama_ids)
             per_cat[cat] = agg
         result["methods"][m] = per_cat
     for m, per_cat in result["methods"].items():

@@ -7,7 +7,6 @@ import os
 
 import torch
 
-
 from ..errors import JakiroError
 from .config import DraftConfig
 from .eagle3_format import EMBEDDING, is_eagle3_folder, read_eagle3
@@ -28,16 +27,16 @@ def save_draft(model: DraftModel, folder: str, extra: dict | None = None) -> Non
         json.dump(cfg, f, indent=2)
 
 
-def read_draft_config(folder: str, target_config=None) -> DraftConfig:
-    """A draft folder's config: jakiro's own, or an EAGLE-3 folder in the public layout (its
-    target's config names the default streams where the folder does not)."""
+def read_draft_config(folder: str) -> DraftConfig:
+    """A draft folder's config: jakiro's own, or an EAGLE-3 folder in the public layout (one that
+    does not name its streams needs its target: ``load_draft``)."""
     path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
         raise JakiroError(f"draft folder not found: {folder}")
     if not os.path.exists(path):
         raise JakiroError(f"{folder} is not a draft checkpoint (no config.json)")
     if is_eagle3_folder(folder):
-        return read_eagle3(folder, target_config, weights=False)[0]
+        return read_eagle3(folder, weights=False)[0]
     try:
         with open(path) as f:
             data = json.load(f)
