@@ -37,10 +37,19 @@ def kv_bytes(target, context: int) -> int:
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * target.dtype.itemsize  # as new_cache
 
 
+def floor_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of float32 ones on the memory pages the kernels' weights get (2 MiB pages where
+    the OS allows: read once, 4 KiB pages take about a tenth longer), so that the floor is read
+    the way the weights are."""
+    if smallgemm.available():
+        return smallgemm.weight_buffer(nbytes // 4).fill_(1.0)
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
 def memory_floor_ms(nbytes: int, repeats: int) -> float:
     """Median ms to read ``nbytes`` once (a sum over a buffer of that size): the least time any
     forward that streams that many bytes of weights can take on this machine."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf = floor_buffer(nbytes)
     return median_ms(lambda: buf.sum(), repeats)
 
 
@@ -50,7 +59,7 @@ def floor_and_forward_ms(target, nbytes: int, context: int, repeats: int) -> tup
     rounds, one after the other: on a shared machine whose memory bandwidth moves by a third from
     one minute to the next, their ratio is only meaningful measured together."""
     from ..decoding.costs import PRIMING_CALLS, interleaved_ms
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf = floor_buffer(nbytes)
     cache = prefilled_cache(target, context, 1)
     token = torch.tensor([7])
     times = interleaved_ms({"floor": lambda: buf.sum(), "forward": lambda: target(token, cache)}, repeats,

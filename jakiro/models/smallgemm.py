@@ -139,6 +139,12 @@ def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, i
     return torch.ops.jakiro_smallgemm.quantized_linear(x, blocks, out_features, input_bytes)
 
 
+def weight_buffer(n: int) -> torch.Tensor:
+    """``n`` float32 zeros on the memory pages the kernels' weights are laid out in (2 MiB pages
+    where the OS allows them): a buffer timed against the weights reads memory as they do."""
+    return torch.ops.jakiro_smallgemm.weight_buffer(n)
+
+
 def tiles_enabled() -> bool:
     """Whether GGUF blocks go through the AMX tile kernel: on CPUs that have it (Sapphire
     Rapids and later, where the kernel was built for one), unless ``JAKIRO_AMX=0``."""

@@ -388,7 +388,7 @@ at::Tensor amx_pack(const at::Tensor& blocks) {
   TORCH_CHECK(blocks.size(0) % G == 0, "amx_pack: the number of rows must be a multiple of 16");
   const bool q4 = blocks.size(2) == gguf_block_bytes(true);
   const int64_t N = blocks.size(0), nb = blocks.size(1), in = gguf_block_bytes(q4), out = amx_bytes(q4);
-  auto packed = at::empty({N / G, nb, out}, blocks.options());
+  auto packed = jakiro::weight_empty({N / G, nb, out}, blocks.options());
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   for (int64_t g = 0; g < N / G; ++g)

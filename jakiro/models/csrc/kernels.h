@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -23,6 +26,22 @@ constexpr int64_t gguf_block_bytes(bool q4) { return 8 + (q4 ? QB / 2 : QB); }
 // bytes per 16 output columns and block in the AMX kernel's layout (``amx_pack``): the 16
 // scales d (Q4_1: and offsets m) as float32, then the q bytes
 constexpr int64_t amx_pack_bytes(bool q4) { return q4 ? 2 * 16 * 4 + 16 * QB / 2 : 16 * 4 + 16 * QB; }
+
+// Memory for a weight the kernels stream (or a buffer timed against them): on 2 MiB pages where
+// the kernel allows it, asked for before the first touch. A forward reads every weight once; on
+// 4 KiB pages the hardware prefetchers stop at each page's end and every page costs a TLB walk
+// (a 1.5B model's one-token forward: 48.4 against 53.8 ms, its weights read once 39.2 against
+// 41.5 ms, 2 threads).
+inline at::Tensor weight_empty(at::IntArrayRef sizes, at::TensorOptions options) {
+  at::Tensor t = at::empty(sizes, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr()), e = p + t.nbytes();
+  const uintptr_t a = (p + huge - 1) & ~(huge - 1), b = e & ~(huge - 1);
+  if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_HUGEPAGE);  // advice only: ignore failure
+#endif
+  return t;
+}
 
 inline vf load(const float* p) {
   vf v;

@@ -108,7 +108,7 @@ at::Tensor pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat, "pack: a 2-D float32 weight");
   auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = (N + VL - 1) / VL;
-  auto out = at::zeros({P, K, VL}, w.options());
+  auto out = jakiro::weight_empty({P, K, VL}, w.options()).zero_();
   const float* src = w.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -492,6 +492,10 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& w, int64_t N,
   return y;
 }
 
+// n float32 zeros on the pages weights get (``weight_empty``): what a timing of reading the
+// weights once streams, so that floor and forward read memory the same way
+at::Tensor weight_buffer(int64_t n) { return jakiro::weight_empty({n}, at::TensorOptions().dtype(at::kFloat)).zero_(); }
+
 bool amx_usable() { return jakiro::amx_usable(); }
 bool int8_usable() { return jakiro::int8_usable(); }
 
@@ -501,6 +505,7 @@ TORCH_LIBRARY(jakiro_smallgemm, m) {
   m.def("pack(Tensor weight) -> Tensor", pack);
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", linear);
   m.def("quantized_linear(Tensor x, Tensor blocks, int n, int input_bytes=3) -> Tensor", quantized_linear);
+  m.def("weight_buffer(int n) -> Tensor", weight_buffer);
   m.def("amx_usable() -> bool", amx_usable);
   m.def("int8_usable() -> bool", int8_usable);
   m.def("amx_pack(Tensor blocks) -> Tensor", jakiro::amx_pack);
