@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from ..errors import JakiroError
 from ..models.kv_cache import KVCache
 from ..models.linear import FastLinear
-from ..models.target import ROPE_SLACK, embedding_rows, rope_tables
+from ..models.target import ROPE_SLACK, embedding_rows
+from ..models.target_config import rope_tables
 from .config import DraftConfig
 from .fused import FusedSteps
 from .head import INPUT_BYTES, HeadRows

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import JakiroError
-from .target import TargetConfig, rope_tables
+from .target_config import TargetConfig, rope_tables
 from .target_weights import load_state_dict
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +17,10 @@ from ..errors import JakiroError
 from .kv_cache import BatchKVCache, KVCache
 from . import smallgemm
 from .linear import SMALL_ROWS
-from .target_weights import Layer, gguf_layers, load_state_dict, state_layers
+from .target_config import TargetConfig, rope_tables
+from .target_weights import gguf_layers, load_state_dict, state_layers
+from .torch_stack import TorchStack
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_SLACK = 256  # positions beyond the context reserved for uncommitted draft-tree tokens
 # With the AMX kernel, a prompt of up to this many tokens (``forward(chunked=True)``) goes through
 # the one-call stack in pieces of SMALL_ROWS rather than oneDNN over the float32 weights: SmolLM2 on two Xeon
@@ -40,91 +40,7 @@ def half_features(features: torch.Tensor) -> torch.Tensor:
     return features.clamp(-65504.0, 65504.0).to(torch.float16)
 
 
-@dataclass
-class TargetConfig:
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    max_context: int
-    qkv_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    name: str = ""
-
-    def check_length(self, max_len: int) -> None:
-        """Refuse a cache for more tokens than this model's context."""
-        if max_len > self.max_context:
-            raise JakiroError(f"requested {max_len} tokens but the model's context length is {self.max_context}")
-
-    def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
-        """Refuse mid-layer streams that are not after increasing counts of this model's layers."""
-        layers = self.num_layers
-        if list(aux_layers) != sorted(set(aux_layers)) or any(not 0 < a < layers for a in aux_layers):
-            raise JakiroError(f"mid-layer features must come after increasing layer counts in 1..{layers - 1} "
-                              f"(this target has {layers} decoder layers), got {list(aux_layers)}")
-
-    @classmethod
-    def from_hf(cls, hf_config, name: str = "") -> "TargetConfig":
-        model_type = getattr(hf_config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise JakiroError(
-                f"unsupported architecture {model_type!r}: supported model types are "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        heads = hf_config.num_attention_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        max_context = hf_config.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None)
-        if model_type == "mistral" and window:
-            max_context = min(max_context, window)  # beyond the window Mistral attends differently
-        return cls(
-            model_type=model_type,
-            hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            vocab_size=hf_config.vocab_size,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            max_context=max_context,
-            qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            name=name,
-        )
-
-
-def rope_tables(hf_config, head_dim: int, max_positions: int,
-                freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim] in the Hugging Face (rotate-half) layout;
-    ``freq_factors`` (a GGUF file's ``rope_freqs``, Llama 3's long-context scaling): each
-    frequency divided by its factor, as llama.cpp applies them."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        scaling = 1.0
-    else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise JakiroError(f"unsupported RoPE type {rope_type!r}")
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
-    if freq_factors is not None:
-        inv_freq = inv_freq.float() / freq_factors.float()
-    t = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq.float())
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).contiguous(), (emb.sin() * scaling).contiguous()
-
-
-class TargetModel:
+class TargetModel(TorchStack):
     """A Llama-family model with a tree-attention forward: float32 weights (a Hugging Face folder)
     or a GGUF file's own blocks (``from_folder`` on a GGUF file's folder)."""
 
@@ -359,19 +275,6 @@ class TargetModel:
         if aux_layers:  # every forward checks: the usual case returns at once
             self.config.check_aux_layers(aux_layers)
 
-    def _stack(self, run, x: torch.Tensor, aux_layers: tuple[int, ...]) -> torch.Tensor:
-        """``run(x, a, b)`` (layers a..b-1 in torch) over the decoder layers, cut after each of
-        ``aux_layers``: the last residual stream, then (with ``aux_layers``) the streams at the
-        cuts, [n, 1 + A, d], as the fused stack returns them (``keep_after``)."""
-        if not aux_layers:
-            return run(x, 0, self.config.num_layers)
-        streams, start = [], 0
-        for end in (*aux_layers, self.config.num_layers):
-            x = run(x, start, end)
-            streams.append(x)
-            start = end
-        return torch.stack([streams[-1], *streams[:-1]], 1)
-
     def _features(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the final norm of the last stream [n, d], the features: it, then the mid-layer
         streams of ``x`` [n, 1 + A, d] as they are)."""
@@ -381,30 +284,6 @@ class TargetModel:
             return final, final
         final = F.rms_norm(x[:, 0], (x.shape[-1],), self.norm, cfg.rms_norm_eps)
         return final, torch.cat((final, x[:, 1:].flatten(1)), 1)
-
-    def _layers(self, x: torch.Tensor, cache: KVCache, position_ids: torch.Tensor,
-                tree_mask: torch.Tensor | None, aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
-        """The decoder stack in torch operations (prefills, and where the fused one is unavailable);
-        see ``_stack`` for ``aux_layers``."""
-        n, past = x.shape[0], cache.length
-        cos = self.cos[position_ids].unsqueeze(1)  # [n, 1, D]
-        sin = self.sin[position_ids].unsqueeze(1)
-        attn_mask, is_causal = None, False
-        if n > 1:
-            if tree_mask is None and past == 0:
-                is_causal = True
-            else:
-                new_mask = tree_mask if tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril_()
-                attn_mask = torch.cat((torch.ones(n, past, dtype=torch.bool), new_mask), 1)
-
-        def run(h, a, b):
-            for i in range(a, b):
-                layer = self.layers[i]
-                q, k, v = self._attention_inputs(layer, h, cos, sin)
-                k_all, v_all = cache.write(i, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
-                h = self._attention_output_and_mlp(layer, h, self._attend(q, k_all, v_all, attn_mask, is_causal))
-            return h
-        return self._stack(run, x, aux_layers)
 
     @torch.inference_mode()
     def decode_batch(self, input_ids: torch.Tensor, cache: BatchKVCache,
@@ -443,49 +322,6 @@ class TargetModel:
             x = self._stack(run, x, aux_layers)
         final, features = self._features(x)
         return self.lm_head(final), features
-
-    def _attend(self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
-                attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        """q [n, H, D] over the cache's k, v [1, Hkv, L, D] -> [n, H D]. Outside the causal prefill
-        the query heads sharing a KV head run as one head with g n rows (the mask repeated per
-        group): the same products as grouped-query attention, each K/V row read once instead of
-        g times, which is most of the cost of one token's attention over a long context."""
-        cfg = self.config
-        n, H, D = q.shape
-        Hkv = cfg.num_kv_heads
-        g = H // Hkv
-        if is_causal or g == 1:
-            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_all, v_all, is_causal=is_causal,
-                                               attn_mask=attn_mask, scale=self.scale, enable_gqa=g > 1)
-            return o[0].transpose(0, 1).reshape(n, H * D)
-        grouped = q.transpose(0, 1).reshape(1, Hkv, g * n, D)  # heads h = j g + i share KV head j
-        mask = attn_mask.repeat(g, 1) if attn_mask is not None else None
-        o = F.scaled_dot_product_attention(grouped, k_all, v_all, attn_mask=mask, scale=self.scale)
-        return o.view(H, n, D).transpose(0, 1).reshape(n, H * D)
-
-    def _attention_inputs(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [n, d] -> rotated q [n, H, D], rotated k [n, Hkv, D], v [n, Hkv, D]."""
-        cfg = self.config
-        n, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
-        h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
-        qkv = layer.qkv(h)  # [n, (H + 2 Hkv) D]
-        qk = qkv[:, : (H + Hkv) * D].view(n, H + Hkv, D)
-        v = qkv[:, (H + Hkv) * D:].view(n, Hkv, D)
-        if layer.q_norm is not None:
-            qk = torch.cat((F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps),
-                            F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)), 1)
-        half = D // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), -1)
-        qk = qk * cos + rotated * sin
-        return qk[:, :H], qk[:, H:], v
-
-    def _attention_output_and_mlp(self, layer: Layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        """Residual stream after the attention output o [n, H D] and the MLP block."""
-        x = x + layer.o(o)
-        h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, self.config.rms_norm_eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
 
     __call__ = forward
 

@@ -13,7 +13,7 @@ from ..errors import JakiroError
 from .linear import BlockLinear, FastLinear
 
 if TYPE_CHECKING:
-    from .target import TargetConfig
+    from .target_config import TargetConfig
 
 
 class Layer:
