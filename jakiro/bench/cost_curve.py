@@ -190,36 +190,33 @@ def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int,
     return out
 
 
-def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int, repeats: int,
-                   new_tokens: int, rounds: int, compare_kernels: bool = False, llamacpp: bool = False) -> dict:
-    from ..models.gguf_file import hugging_face_model
-
-    from ..api import load, shipped_draft
-
-    jk = load(target_path, cache_dir=cache_dir)
-    nbytes = weight_bytes(jk.target)
-    floor = memory_floor_ms(nbytes, repeats)
-    cached = kv_bytes(jk.target, context)
-    floor_kv = memory_floor_ms(nbytes + cached, repeats)
-    costs = forward_costs(jk.target, context, repeats)
-    paired_floor, paired_t1 = floor_and_forward_ms(jk.target, nbytes, context, repeats)
-    drafts = {m: draft_costs(jk, m, context, repeats) for m in ("eagle2", "jakiro")
-              if target_path is None and shipped_draft(m)}
+def shipped_draft_costs(jk, context: int, repeats: int, t1_ms: float) -> dict:
+    """``draft_costs`` of each shipped draft of the default target (with the int8 kernel, also
+    its step with the float32 kernel), each also as a multiple of the one-token forward."""
+    from ..api import shipped_draft
+    drafts = {m: draft_costs(jk, m, context, repeats) for m in ("eagle2", "jakiro") if shipped_draft(m)}
     if smallgemm.int8_enabled():  # the same draft steps with the float32 kernel, side by side
         with smallgemm.int8_disabled():
             for m, d in drafts.items():
                 d["step_ms_float32_kernel"] = draft_costs(jk, m, context, repeats)["step_ms"]
     for d in drafts.values():
-        d["step_x_t1"] = round(d["step_ms"] / costs[1], 3)
-        d["step_after_target_x_t1"] = round(d["step_after_target_ms"] / costs[1], 3)
-        d["propose_x_t1"] = round(d["propose_ms"] / costs[1], 3)
-        d["chain2_propose_after_target_x_t1"] = round(d["chain2_propose_after_target_ms"] / costs[1], 3)
-    verification = verification_costs(jk.target.config.vocab_size, repeats)
+        for key in ("step", "step_after_target", "propose", "chain2_propose_after_target"):
+            d[f"{key}_x_t1"] = round(d[f"{key}_ms"] / t1_ms, 3)
+    return drafts
+
+
+def plain_decoding(jk, new_tokens: int, rounds: int, llamacpp: bool, cache_dir: str | None) -> dict:
+    """Greedy plain decoding of ``PROMPT``, ours against Hugging Face ``generate`` on the
+    dequantized weights (and with ``llamacpp`` llama.cpp's server on the same file and threads),
+    one after another in each of ``rounds``: {"ours": tokens/s, "hf": ..., "same": whether
+    Hugging Face's tokens were ours in every round, "ours_decode": tokens/s without the
+    prompt's prefill, "llamacpp": the same for llama.cpp (empty without it)}."""
+    from ..models.gguf_file import hugging_face_model
     engine = jk.engine("ar")
     ids = engine.encode(PROMPT)
     hf = hugging_face_model(jk.target_path)
-    ours_tps, hf_tps, same = [], [], True
-    llama, llama_tps, ours_decode_tps = None, [], []
+    out = {"ours": [], "hf": [], "same": True, "ours_decode": [], "llamacpp": []}
+    llama = None
     if llamacpp:  # llama.cpp's server on the same file and threads, timed by itself (prompt excluded)
         from ..models.gguf_file import source_file
         from .llamacpp import LlamaServer
@@ -231,28 +228,43 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
             hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
             for _ in range(rounds):
                 res = engine.generate(ids, new_tokens)
-                ours_tps.append(res.metrics.tokens_per_s)
-                ours_decode_tps.append(res.metrics.new_tokens / (res.metrics.total_s - res.metrics.prefill_s))
+                out["ours"].append(res.metrics.tokens_per_s)
+                out["ours_decode"].append(res.metrics.new_tokens / (res.metrics.total_s - res.metrics.prefill_s))
                 t0 = time.perf_counter()
-                out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
-                hf_ids = out[0, len(ids):].tolist()
-                hf_tps.append(len(hf_ids) / (time.perf_counter() - t0))
-                same &= hf_ids == res.token_ids
+                hf_ids = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
+                out["hf"].append(len(hf_ids) / (time.perf_counter() - t0))
+                out["same"] &= hf_ids == res.token_ids
                 if llama is not None:
-                    out = llama.complete(ids, new_tokens, 0.0, 0)
-                    llama_tps.append(len(out["token_ids"]) / out["decode_s"])
+                    answer = llama.complete(ids, new_tokens, 0.0, 0)
+                    out["llamacpp"].append(len(answer["token_ids"]) / answer["decode_s"])
     finally:
         if llama is not None:
             llama.close()
-    ours, theirs = statistics.median(ours_tps), statistics.median(hf_tps)
+    return out
+
+
+def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int, repeats: int,
+                   new_tokens: int, rounds: int, compare_kernels: bool = False, llamacpp: bool = False) -> dict:
+    from ..api import load
+
+    jk = load(target_path, cache_dir=cache_dir)
+    nbytes = weight_bytes(jk.target)
+    floor = memory_floor_ms(nbytes, repeats)
+    cached = kv_bytes(jk.target, context)
+    floor_kv = memory_floor_ms(nbytes + cached, repeats)
+    costs = forward_costs(jk.target, context, repeats)
+    paired_floor, paired_t1 = floor_and_forward_ms(jk.target, nbytes, context, repeats)
+    drafts = shipped_draft_costs(jk, context, repeats, costs[1]) if target_path is None else {}
+    verification = verification_costs(jk.target.config.vocab_size, repeats)
+    plain = plain_decoding(jk, new_tokens, rounds, llamacpp, cache_dir)
+    ours, theirs = statistics.median(plain["ours"]), statistics.median(plain["hf"])
     extra = {}
-    if llama_tps:  # both without the prompt's prefill (llama.cpp's own decoding time)
-        ours_decode, llama_decode = statistics.median(ours_decode_tps), statistics.median(llama_tps)
+    if plain["llamacpp"]:  # both without the prompt's prefill (llama.cpp's own decoding time)
+        ours_decode, llama_decode = statistics.median(plain["ours_decode"]), statistics.median(plain["llamacpp"])
         extra["llamacpp_plain_decoding"] = {"ours_tokens_per_s": round(ours_decode, 2),
                                             "llamacpp_tokens_per_s": round(llama_decode, 2),
                                             "ours_over_llamacpp": round(ours_decode / llama_decode, 3)}
     if compare_kernels and smallgemm.available():
-        del hf
         extra["kernels_side_by_side_ms"] = kernel_comparison(jk.target, jk.target_path, context, repeats, rounds)
     return {
         "target": jk.target_path,
@@ -278,7 +290,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         "plain_decoding": {
             "new_tokens": new_tokens, "rounds": rounds,
             "ours_tokens_per_s": round(ours, 2), "hf_generate_tokens_per_s": round(theirs, 2),
-            "ratio": round(ours / theirs, 3), "same_tokens": same,
+            "ratio": round(ours / theirs, 3), "same_tokens": plain["same"],
             "floor_tokens_per_s": round(1000 / floor, 1),
             "ours_x_floor_rate": round(ours / (1000 / floor), 3),
         },

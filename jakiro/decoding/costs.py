@@ -294,32 +294,17 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
     stored = _stored_rounds(store, keys)
     if len(stored) >= STORED_ENOUGH:
         rounds = min(rounds, FEW_ROUNDS)
-    measured: list[dict] = []
+    measured = []
     for r in range(max(1, rounds)):
-        warmup = 2 if r == 0 else 1
-        one = {"short": forward_ms(target, short_cache, 1, sizes, warmup=warmup, primed=1),
-               "long": forward_ms(target, long_cache, 1, ends, warmup=warmup, primed=1)}
+        one = {"short": forward_ms(target, short_cache, 1, sizes, warmup=2 if r == 0 else 1, primed=1),
+               "long": forward_ms(target, long_cache, 1, ends, warmup=2 if r == 0 else 1, primed=1)}
         if proposer is not None:
-            one["draft"] = _draft_costs(target, short_cache, proposer, context, depths, 1)
-            one["far"] = _draft_costs(target, short_cache, proposer, long_context, [deepest], 1)
-            one["caught"] = {rows: _draft_costs(target, short_cache, proposer, context, [1], 1, rows=rows)[1]
-                             for rows in catch_rows}
-            one["after"] = _forwards_after_proposals(target, short_cache, proposer, sizes, 1)
+            one.update(_draft_round(target, short_cache, proposer, context, long_context, keys))
         measured.append(one)
     kept = (stored + measured)[-STORE_ROUNDS:]
     if store is not None:
         _store_rounds(store, kept)
-    samples = {key: [r[key] for r in kept] for key in keys}
-
-    def median(key: str, keys, minus: str | None = None, minus_key=None) -> dict:
-        """Per entry, the median over rounds (of the difference to ``minus``'s entry in the same round)."""
-        out = {}
-        for k in keys:
-            values = [s[k] - (m[k if minus_key is None else minus_key] if minus else 0.0)
-                      for s, m in zip(samples[key], samples[minus] if minus else samples[key])]
-            out[k] = statistics.median(values)
-        return out
-
+    median = _round_medians({key: [r[key] for r in kept] for key in keys})
     target_ms = monotone(median("short", sizes))
     target_slope = {n: max(0.0, v / span) for n, v in median("long", ends, "short").items()}
     cycle_ms = CYCLE_SHARE * target_ms[1]
@@ -332,6 +317,30 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
                                     median("caught", catch_rows, "draft", minus_key=1).items()}})
     drafted = monotone({n: target_ms[n] + v for n, v in median("after", sizes, "short").items()})
     return CostTable(target_ms, short, context, target_slope, draft_slope, drafted, catch_up, cycle_ms)
+
+
+def _draft_round(target, cache, proposer: DraftProposer, context: int, long_context: int, keys: dict) -> dict:
+    """One round of ``measure_costs``' draft quantities (``keys`` names each one's entries)."""
+    deepest = keys["far"][0]
+    return {"draft": _draft_costs(target, cache, proposer, context, keys["draft"], 1),
+            "far": _draft_costs(target, cache, proposer, long_context, [deepest], 1),
+            "caught": {rows: _draft_costs(target, cache, proposer, context, [1], 1, rows=rows)[1]
+                       for rows in keys["caught"]},
+            "after": _forwards_after_proposals(target, cache, proposer, keys["after"], 1)}
+
+
+def _round_medians(samples: dict):
+    """``median(key, entries, minus=None, minus_key=None)`` over the rounds of ``samples`` (key ->
+    one dict per round): per entry the median over rounds, of the difference to ``minus``'s
+    entry (or its ``minus_key`` entry) in the same round."""
+    def median(key: str, entries, minus: str | None = None, minus_key=None) -> dict:
+        out = {}
+        for k in entries:
+            values = [s[k] - (m[k if minus_key is None else minus_key] if minus else 0.0)
+                      for s, m in zip(samples[key], samples[minus] if minus else samples[key])]
+            out[k] = statistics.median(values)
+        return out
+    return median
 
 
 CATCH_UP_ROWS = (34, 258)  # proposals after a run of plain steps or a prompt: what catching up on them costs more

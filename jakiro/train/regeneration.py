@@ -27,15 +27,11 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
     (``FEATURES_PREFIX`` files, keyed by the line), so the dataset pass need not compute them
     (not for a tokens-only dataset). ``target``: what generates (default ``jk.target``; a
     ``DeviceTarget`` on a GPU)."""
-    from tqdm import tqdm
-
     from ..data.regenerate import Regenerator, read_done
 
     done = read_done(path)
-    written = len(done)
-    if written >= cfg.max_records:
-        return {"conversations": 0, "already_regenerated": written}
-    in_flight = streak = 0
+    if len(done) >= cfg.max_records:
+        return {"conversations": 0, "already_regenerated": len(done)}
     skipped: list[int] | None = [] if cfg.skip_bad else None
     # prompts the target writes pass the filter once written (``Regenerator``'s admit), the
     # kept ones of an earlier run included, so that a resumed run repeats none of them
@@ -44,78 +40,84 @@ def regenerate_conversations(jk, cfg: DataConfig, path: str, prompt_filter, prog
         for messages in iter_conversations(path) if done else ():
             prompt_filter.admit(messages)
         admit, job_filter = prompt_filter.admit, None
-
-    records = _admitted(cfg.source, job_filter, skipped)
-
-    class Jobs:
-        """What a free slot takes next: nothing while the conversations asked for are written or
-        in flight, though a later one that ends unanswered frees its place (unlike a generator,
-        this iterator goes on after a StopIteration)."""
-
-        def __iter__(self):
-            return self
-
-        def __next__(self):
-            nonlocal in_flight
-            if written + in_flight >= cfg.max_records:
-                raise StopIteration
-            for index, messages in records:
-                if messages is not None and index not in done:
-                    in_flight += 1
-                    return index, messages
-            raise StopIteration
-
-    folder = os.path.dirname(path)
-    group: list[tuple[int, list[int], list[int], torch.Tensor]] = []
-    last_line = -1
-
-    def collect(record, ids, mask, features) -> None:
-        group.append((last_line, ids, mask, features))
-        if len(group) == FEATURE_GROUP:
-            _write_feature_group(folder, group)
-
+    run = _Run(cfg, path, done, _admitted(cfg.source, job_filter, skipped), progress)
     tokenize = lambda messages: tokenize_conversation(jk.tokenizer, messages, cfg.max_len)  # noqa: E731
     regen = Regenerator(target if target is not None else jk.target, jk.tokenizer, jk.engine("ar").eos_ids,
-                        cfg.regen_settings(), tokenize=tokenize, collect=None if cfg.tokens_only else collect,
+                        cfg.regen_settings(), tokenize=tokenize, collect=None if cfg.tokens_only else run.collect,
                         admit=admit)
-    bar = tqdm(total=cfg.max_records, initial=written, desc="regenerate", unit="conv", disable=not progress)
-    with open(path, "a", encoding="utf-8") as f:
-        def write(record: dict) -> None:
-            nonlocal written, in_flight, last_line, streak
-            try:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                f.flush()
-            except OSError as exc:
-                raise JakiroError(f"cannot append to {path}: {exc.strerror or exc}; the conversations "
-                                  f"already written are kept, rerun the same command to resume") from None
-            last_line = written
-            written += 1
-            streak = 0
-            in_flight -= 1
-            bar.update(1)
-
-        def on_step(stats) -> None:
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}", cut=stats.cut_tokens, refresh=False)
-
-        def dropped(index: int) -> None:  # ended without an answer: another job takes its place
-            nonlocal in_flight, streak
-            in_flight -= 1
-            streak += 1
-            if streak > DROPS_IN_A_ROW + 20 * cfg.regen_batch:  # an endless source must not spin forever
-                raise JakiroError(f"{streak} conversations in a row ended without an answer (prompts too long "
-                                  f"for --max-len {cfg.max_len}, or prompts the target wrote all refused); "
-                                  f"the {written} written are kept")
-
-        stats = regen.run(Jobs(), write, on_step, dropped)
-    if group:
-        _write_feature_group(folder, group)
-    bar.close()
+    with open(path, "a", encoding="utf-8") as run.file:
+        stats = regen.run(run, run.write, run.on_step, run.dropped)
+    run.close()
     report = stats.as_dict()
     if prompt_filter is not None:
         report.update(removed_evaluation=prompt_filter.contaminated, removed_duplicates=prompt_filter.duplicates)
     if skipped is not None:
         report["skipped_bad_lines"] = len(skipped)
     return report
+
+
+class _Run:
+    """One regeneration run's bookkeeping: the jobs a free slot takes next (an iterator that
+    yields nothing while the conversations asked for are written or in flight, though a later
+    one that ends unanswered frees its place: unlike a generator it goes on after a
+    StopIteration), the lines it appends, the features it groups into files, its progress bar."""
+
+    def __init__(self, cfg: DataConfig, path: str, done: set[int], records, progress: bool):
+        from tqdm import tqdm
+        self.cfg, self.path, self.done, self.records = cfg, path, done, records
+        self.written, self.in_flight, self.streak, self.last_line = len(done), 0, 0, -1
+        self.folder = os.path.dirname(path)
+        self.group: list[tuple[int, list[int], list[int], torch.Tensor]] = []
+        self.file = None
+        self.bar = tqdm(total=cfg.max_records, initial=self.written, desc="regenerate", unit="conv",
+                        disable=not progress)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, list[dict]]:
+        if self.written + self.in_flight >= self.cfg.max_records:
+            raise StopIteration
+        for index, messages in self.records:
+            if messages is not None and index not in self.done:
+                self.in_flight += 1
+                return index, messages
+        raise StopIteration
+
+    def collect(self, record, ids, mask, features) -> None:
+        self.group.append((self.last_line, ids, mask, features))
+        if len(self.group) == FEATURE_GROUP:
+            _write_feature_group(self.folder, self.group)
+
+    def write(self, record: dict) -> None:
+        try:
+            self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self.file.flush()
+        except OSError as exc:
+            raise JakiroError(f"cannot append to {self.path}: {exc.strerror or exc}; the conversations "
+                              f"already written are kept, rerun the same command to resume") from None
+        self.last_line = self.written
+        self.written += 1
+        self.streak = 0
+        self.in_flight -= 1
+        self.bar.update(1)
+
+    def on_step(self, stats) -> None:
+        self.bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}", cut=stats.cut_tokens, refresh=False)
+
+    def dropped(self, index: int) -> None:
+        """A conversation ended without an answer: another job takes its place."""
+        self.in_flight -= 1
+        self.streak += 1
+        if self.streak > DROPS_IN_A_ROW + 20 * self.cfg.regen_batch:  # an endless source must not spin forever
+            raise JakiroError(f"{self.streak} conversations in a row ended without an answer (prompts too long "
+                              f"for --max-len {self.cfg.max_len}, or prompts the target wrote all refused); "
+                              f"the {self.written} written are kept")
+
+    def close(self) -> None:
+        if self.group:
+            _write_feature_group(self.folder, self.group)
+        self.bar.close()
 
 
 def _write_feature_group(folder: str, group: list) -> None:
