@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..errors import JakiroError
 from .target_config import TargetConfig, rope_tables
+from .torch_stack import attention_inputs, attention_output_and_mlp
 from .target_weights import load_state_dict
 
 
@@ -75,30 +76,18 @@ class FeatureModel(torch.nn.Module):
     def attention_inputs(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Layer i's rotated q [B, T, H, D], k and v [B, T, Hkv, D] of x [B, T, d]; cos, sin
         broadcast against [B, T, 1, D]."""
-        cfg = self.config
         in_norm, qkv_w, qkv_b, q_norm, k_norm = self.weights[9 * i: 9 * i + 5]
-        B, T, d = x.shape
-        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.rms_norm(x, (d,), in_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, qkv_w, qkv_b)
-        q = qkv[..., : H * D].view(B, T, H, D)
-        k = qkv[..., H * D: (H + Hkv) * D].view(B, T, Hkv, D)
-        v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
-        if cfg.qk_norm:
-            q, k = F.rms_norm(q, (D,), q_norm, cfg.rms_norm_eps), F.rms_norm(k, (D,), k_norm, cfg.rms_norm_eps)
-        half = D // 2
-        q = q * cos + torch.cat((-q[..., half:], q[..., :half]), -1) * sin
-        k = k * cos + torch.cat((-k[..., half:], k[..., :half]), -1) * sin
-        return q, k, v
+        qk_norms = (q_norm, k_norm) if self.config.qk_norm else (None, None)
+        return attention_inputs(self.config, x, in_norm, lambda h: F.linear(h, qkv_w, qkv_b), *qk_norms, cos, sin)
 
     def attention_output_and_mlp(self, i: int, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The rest of layer i after attention: x [B, T, d], the heads' outputs o [B, H, T, D]."""
         cfg = self.config
         o_w, post_norm, gate_up, down = self.weights[9 * i + 5: 9 * i + 9]
-        B, T, d = x.shape
-        x = x + F.linear(o.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim), o_w)
-        gate, up = F.linear(F.rms_norm(x, (d,), post_norm, cfg.rms_norm_eps), gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, down)
+        B, T, _ = x.shape
+        return attention_output_and_mlp(cfg, x, o.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim),
+                                        lambda h: F.linear(h, o_w), post_norm, lambda h: F.linear(h, gate_up),
+                                        lambda h: F.linear(h, down))
 
     def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg = self.config

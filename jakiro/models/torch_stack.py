@@ -11,6 +11,38 @@ from .kv_cache import KVCache
 from .target_weights import Layer
 
 
+def attention_inputs(cfg, x: torch.Tensor, input_norm: torch.Tensor, qkv, q_norm: torch.Tensor | None,
+                     k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
+    """A decoder layer's attention inputs, the one definition of them in torch (the C++ stack's
+    tests compare against it): x [..., d] -> rotated q [..., H, D], rotated k and v [..., Hkv, D].
+    ``qkv``: the fused projection (a callable); ``q_norm``, ``k_norm``: Qwen3's per-head norms or
+    None; cos, sin broadcast against [..., 1, D]."""
+    H, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+    lead = x.shape[:-1]
+    out = qkv(F.rms_norm(x, (x.shape[-1],), input_norm, eps))  # [..., (H + 2 Hkv) D]
+    q = out[..., : H * D].view(*lead, H, D)
+    k = out[..., H * D: (H + Hkv) * D].view(*lead, Hkv, D)
+    v = out[..., (H + Hkv) * D:].view(*lead, Hkv, D)
+    if q_norm is not None:
+        q, k = F.rms_norm(q, (D,), q_norm, eps), F.rms_norm(k, (D,), k_norm, eps)
+    return _rotated(q, cos, sin), _rotated(k, cos, sin), v
+
+
+def _rotated(v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE."""
+    half = v.shape[-1] // 2
+    return v * cos + torch.cat((-v[..., half:], v[..., :half]), -1) * sin
+
+
+def attention_output_and_mlp(cfg, x: torch.Tensor, o: torch.Tensor, o_proj, post_norm: torch.Tensor, gate_up,
+                             down) -> torch.Tensor:
+    """The rest of a decoder layer: the residual stream x [..., d] after the attention output
+    o [..., H D] (through ``o_proj``) and the gated MLP (``gate_up``, ``down``: callables)."""
+    x = x + o_proj(o)
+    gate, up = gate_up(F.rms_norm(x, (x.shape[-1],), post_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+    return x + down(F.silu(gate) * up)
+
+
 class TorchStack:
     """``TargetModel``'s layers as torch operations."""
 
@@ -72,25 +104,8 @@ class TorchStack:
 
     def _attention_inputs(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [n, d] -> rotated q [n, H, D], rotated k [n, Hkv, D], v [n, Hkv, D]."""
-        cfg = self.config
-        n, H, Hkv, D = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        eps = cfg.rms_norm_eps
-        h = F.rms_norm(x, (x.shape[-1],), layer.input_norm, eps)
-        qkv = layer.qkv(h)  # [n, (H + 2 Hkv) D]
-        qk = qkv[:, : (H + Hkv) * D].view(n, H + Hkv, D)
-        v = qkv[:, (H + Hkv) * D:].view(n, Hkv, D)
-        if layer.q_norm is not None:
-            qk = torch.cat((F.rms_norm(qk[:, :H], (D,), layer.q_norm, eps),
-                            F.rms_norm(qk[:, H:], (D,), layer.k_norm, eps)), 1)
-        half = D // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), -1)
-        qk = qk * cos + rotated * sin
-        return qk[:, :H], qk[:, H:], v
+        return attention_inputs(self.config, x, layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, cos, sin)
 
     def _attention_output_and_mlp(self, layer: Layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Residual stream after the attention output o [n, H D] and the MLP block."""
-        x = x + layer.o(o)
-        h = F.rms_norm(x, (x.shape[-1],), layer.post_norm, self.config.rms_norm_eps)
-        gate, up = layer.gate_up(h).chunk(2, dim=-1)
-        return x + layer.down(F.silu(gate) * up)
-
+        return attention_output_and_mlp(self.config, x, o, layer.o, layer.post_norm, layer.gate_up, layer.down)

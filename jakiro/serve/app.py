@@ -279,7 +279,13 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
     app = FastAPI(title="jakiro", description="OpenAI-compatible speculative decoding server", lifespan=lifespan,
                   **doc_routes)
     app.state.scheduler, app.state.metrics, app.state.engine = svc.scheduler, svc.metrics, svc.engine
+    _add_guards(app, svc)
+    _add_routes(app, svc)
+    return app
 
+
+def _add_guards(app: FastAPI, svc: _Service) -> None:
+    """Refusals before any route (``_Service.refusal``), and every error as an OpenAI error body."""
     @app.middleware("http")
     async def guard(request: Request, call_next):
         error = svc.refusal(request)
@@ -301,6 +307,9 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
         return JSONResponse(P.APIError(500, f"internal error: {type(exc).__name__}", type="server_error").body(),
                             status_code=500)
 
+
+def _add_routes(app: FastAPI, svc: _Service) -> None:
+    """/health, /metrics and the OpenAI-compatible /v1 routes."""
     @app.get("/health")
     async def health():
         return svc.health()
@@ -327,8 +336,6 @@ def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = N
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await svc.handle(request, "completion", "/v1/completions")
-
-    return app
 
 
 def _failure(exc: BaseException) -> P.APIError:
