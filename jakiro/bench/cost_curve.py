@@ -101,10 +101,8 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
         one = torch.tensor([7])
         step_cold_ms = median_ms(step, repeats, warmup=1, before=lambda: jk.target(one, target_cache))
 
-    proposer.start(context + 4 * repeats + 64, prompt_vocab=False)
     ids = torch.randint(0, 1000, (context,), generator=gen).tolist()
-    proposer.observe(torch.randn(context, w, generator=gen), torch.tensor(ids[1:] + [7]))
-    proposer.propose(ids)
+    _started(proposer, ids, w, gen, context + 4 * repeats + 64)
 
     def cycle():
         proposer.observe(torch.randn(1, w, generator=gen), torch.tensor([7]))
@@ -112,10 +110,8 @@ def draft_costs(jk, method: str, context: int, repeats: int, nodes: int = 8) -> 
 
     # the chain the tuner picks on this machine: catch up on two committed positions, draft two
     # tokens one at a time (top-1, no contrastive branch), right after a target forward
-    chain = DraftProposer(draft, TreeBudget(2, 1, 2), parallel_decoding=False)
-    chain.start(context + 4 * repeats + 64, prompt_vocab=False)
-    chain.observe(torch.randn(context, w, generator=gen), torch.tensor(ids[1:] + [7]))
-    chain.propose(ids)
+    chain = _started(DraftProposer(draft, TreeBudget(2, 1, 2), parallel_decoding=False), ids, w, gen,
+                     context + 4 * repeats + 64)
 
     def chain_cycle():
         chain.observe(torch.randn(2, w, generator=gen), torch.tensor([7, 8]))
@@ -188,6 +184,15 @@ def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int,
     if "quantized_portable" in medians:
         out["portable_over_tiles"] = ratio("quantized_portable", "quantized")
     return out
+
+
+def _started(proposer, ids: list[int], width: int, gen: torch.Generator, room: int):
+    """``proposer`` started on the prompt ``ids`` (random target features of ``width``) and
+    through its first proposal."""
+    proposer.start(room, prompt_vocab=False)
+    proposer.observe(torch.randn(len(ids), width, generator=gen), torch.tensor(ids[1:] + [7]))
+    proposer.propose(ids)
+    return proposer
 
 
 def shipped_draft_costs(jk, context: int, repeats: int, t1_ms: float) -> dict:

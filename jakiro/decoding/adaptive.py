@@ -45,34 +45,27 @@ from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree, kept_p
 PROBE_AFTER = 4  # plain steps before drafting again, doubled after each probe that did not pay
 MAX_WAIT = 64
 PROBE_SHARE = 0.015  # probes (and the catch-up each does first) may cost at most this share of the
-# plain steps taken so far in the request: a short answer never pays for the draft reading its prompt.
-# By the table; measured they cost about twice that (a catch-up right after a run of plain steps
-# reads evicted weights: on a Zen 4 EPYC, four unaccepted probes in a 78-token answer took 21 ms
-# against 12 ms of budget at 0.03, 5 % of the request), so half the 3 % noise band
+# plain steps taken so far in the request, by the table: measured they cost about twice what the
+# table says (a catch-up after plain steps reads evicted weights), so half the 3 % noise band
 BUCKETS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)  # of draft probabilities
 PRIOR_WEIGHT = 2.0  # pseudo-observations behind each prior
 DEPTH_PRIOR_WEIGHT = 4.0  # ... and behind the depth prior, against at most 1 / (1 - FORGET) observations:
 # lighter, two early misses (an answer's first words) kept a good draft idle for dozens of steps
-DEPTH_PRIOR_FLOOR = 1.5  # of which this many stay; the rest fade with FORGET like observations. Held
-# whole, the prior kept a weak draft's estimate far above what it got (sampling at T = 1 on
-# development prompts: 1.61 tokens expected per drafted cycle, 1.30 committed)
+DEPTH_PRIOR_FLOOR = 1.5  # of which this many stay; the rest fade with FORGET like observations (held
+# whole, the prior kept a weak draft's estimate far above what it got)
 FORGET = 0.9  # each drafted cycle's outcome weighs this much less per later one: a draft that did
 # well on an answer's opening words and not on the rest (a translation) is dropped within ~10 cycles
 IDLE_FORGET = 0.9  # ... and per plain step: what a drafted cycle showed goes stale with the tokens
-# committed since, drafted or not, so the estimate drifts back toward the prior while the draft is
-# idle and drafting resumes on its own. Fading only with drafted cycles, an answer's unsure opening
-# words (five misses) kept a draft that then accepts half its first tokens idle for the rest of a
-# short answer, with a probe every few dozen steps the only way back (the README's prompt on a Zen 4:
-# tau 1.00 against 1.54 with this fade)
+# committed since, so the estimate drifts back toward the prior while the draft is idle and drafting
+# resumes on its own (fading only with drafted cycles, an answer's unsure opening words kept a good
+# draft idle for the rest of a short answer)
 PRIOR_SHRINK = 0.8  # prior: a node is accepted with 0.8 x its draft probability
 PRIOR_DEPTH = 0.6  # prior: P(path gets past level i | it reached i - 1) = 0.6 (optimistic, so drafting is tried)
 DRAFT_MARGIN = 0.03  # drafting must promise this much more than not drafting: a drafted cycle's
-# bookkeeping (~3 % of its time, profiled) is not in the table, and its acceptance estimates rest
-# on a few dozen cycles; a draft that only breaks even stays idle
+# bookkeeping (~3 % of its time) is not in the table; a draft that only breaks even stays idle
 CATCH_UP_CYCLES = 8  # drafted cycles over which one catch-up is charged (``draft_cost``)
 PRIOR_LOOKUP_MISS = 0.7  # prior: a lookup token found by an n-token match (and whose predecessors
 PRIOR_LOOKUP_DECAY = 0.6  # matched) misses with 0.7 x 0.6^(n - 1): 0.3 / 0.58 / 0.75 match for n = 1 / 2 / 3
-
 
 
 class AdaptiveProposer(Proposer):
@@ -308,9 +301,8 @@ class AdaptiveProposer(Proposer):
             self.plain_ms += self.costs.cycle(1 + len(chain), self.context_length)
             plain = self.prune(add_chain(chain_tree(context[-1], []), chain)) if chain else chain_tree(context[-1], [])
             if self.idle >= self.wait and self.inner and self._probe_affordable(plain.size):
-                # a probe: draft one level and verify its best token with what the step verifies
-                # anyway (an accepted probe is a token gained; its extra tree token is counted in
-                # ``_probe_affordable``); ``feedback`` then scores it like any drafted cycle
+                # a probe: draft one level and verify its best token with the step's own tokens
+                # (its cost: ``_probe_affordable``); ``feedback`` scores it like any drafted cycle
                 self.idle, self.wait = 0, min(self.wait * 2, MAX_WAIT)
                 return self._probe(context, plain)
             return plain

@@ -277,20 +277,11 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
     next (Zen 4 EPYC, 2 threads, int8 activations), and with it whether EAGLE-2 drafted at all."""
     max_n = proposer.max_tree_tokens if proposer is not None else max_tree_tokens
     deepest = proposer.budget.depth if proposer is not None else 0
-    # each sampling call starts the draft afresh: room for its committed rows and proposals
-    room = target.config.max_context - max_n - (deepest + 1) * 2 * 4 - 8
-    context = max(1, min(context, room // 2))
-    long_context = max(context + 1, min(long_context, room))
+    context, long_context, keys = _plan(target, proposer, context, long_context, max_n, deepest)
     span = long_context - context
-    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < max_n} | {max_n})
-    ends = sorted({1, max_n})
-    depths = list(range(1, deepest + 1))
+    sizes, ends, depths, catch_rows = keys["short"], keys["long"], keys.get("draft"), keys.get("caught")
     short_cache = prefilled_cache(target, context, max_n)
     long_cache = prefilled_cache(target, long_context, max_n)
-    catch_rows = [rows for rows in CATCH_UP_ROWS if context + rows * 4 < room]
-    keys = {"short": sizes, "long": ends}
-    if proposer is not None:
-        keys.update(draft=depths, far=[deepest], caught=catch_rows, after=sizes)
     stored = _stored_rounds(store, keys)
     if len(stored) >= STORED_ENOUGH:
         rounds = min(rounds, FEW_ROUNDS)
@@ -317,6 +308,21 @@ def measure_costs(target, proposer: DraftProposer | None, context: int = 128, lo
                                     median("caught", catch_rows, "draft", minus_key=1).items()}})
     drafted = monotone({n: target_ms[n] + v for n, v in median("after", sizes, "short").items()})
     return CostTable(target_ms, short, context, target_slope, draft_slope, drafted, catch_up, cycle_ms)
+
+
+def _plan(target, proposer, context: int, long_context: int, max_n: int, deepest: int) -> tuple[int, int, dict]:
+    """``measure_costs``' two contexts (within what the target and the proposals leave room for)
+    and what it samples each round: key -> its entries (tree sizes, depths, catch-up rows)."""
+    # each sampling call starts the draft afresh: room for its committed rows and proposals
+    room = target.config.max_context - max_n - (deepest + 1) * 2 * 4 - 8
+    context = max(1, min(context, room // 2))
+    long_context = max(context + 1, min(long_context, room))
+    sizes = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < max_n} | {max_n})
+    keys = {"short": sizes, "long": sorted({1, max_n})}
+    if proposer is not None:
+        keys.update(draft=list(range(1, deepest + 1)), far=[deepest], after=sizes,
+                    caught=[rows for rows in CATCH_UP_ROWS if context + rows * 4 < room])
+    return context, long_context, keys
 
 
 def _draft_round(target, cache, proposer: DraftProposer, context: int, long_context: int, keys: dict) -> dict:

@@ -97,11 +97,31 @@ def parse_tree(spec: str) -> StaticTree:
     return StaticTree(os.path.basename(ref), validate_paths(paths, ref))
 
 
+def _forward_level(proposer, forward: list[tuple], carried: dict, slots_of: dict, n_slots: int, base: int,
+                   level: int) -> torch.Tensor:
+    """One draft forward of the nodes ``forward`` (each from the feature and token that proposed
+    it, ``carried``) at scratch slots after the ``n_slots`` taken, each attending the prompt's
+    ``base`` positions and its forwarded ancestors' slots (``slots_of``, extended here)."""
+    P = len(forward)
+    mask = torch.zeros(P, n_slots + P, dtype=torch.bool)
+    for j, p in enumerate(forward):
+        slots_of[p] = slots_of[p[:-1]] + [n_slots + j]
+        mask[j, slots_of[p]] = True
+    attn = torch.cat((torch.ones(P, base, dtype=torch.bool), mask), 1)
+    in_feats = torch.stack([carried[p][0] for p in forward])
+    in_tokens = torch.tensor([carried[p][1] for p in forward])
+    o = proposer.draft(in_feats.unsqueeze(0), in_tokens.unsqueeze(0), torch.full((P,), base + level - 1),
+                       proposer.cache, attn)
+    proposer.cache.commit(P)
+    proposer.draft_forwards += 1
+    return o
+
+
 def fill_static_tree(proposer, context: list[int], out, base: int) -> Tree:
     """Fill the static tree level by level: the children of all nodes at one level come from
     one draft forward of those nodes (rank r = the node's r-th candidate); with parallel
     decoding the last level comes from the contrastive branch of the level above's parents."""
-    st, draft, cache = proposer.static, proposer.draft, proposer.cache
+    st, cache = proposer.static, proposer.cache
     tokens, parents, scores = [context[-1]], [-1], [0.0]
     node_of: dict[tuple, int] = {(): 0}
     output_of: dict[tuple, tuple] = {(): (out, 0)}  # forwarded node -> (draft output, row)
@@ -139,18 +159,8 @@ def fill_static_tree(proposer, context: list[int], out, base: int) -> Tree:
         if not below or (proposer.parallel and level + 1 == st.depth):
             continue  # nothing to forward: no next level, or it comes from the contrastive branch
         forward = list(dict.fromkeys(c[:-1] for c in below))
-        P = len(forward)
-        mask = torch.zeros(P, n_slots + P, dtype=torch.bool)
-        for j, p in enumerate(forward):
-            slots_of[p] = slots_of[p[:-1]] + [n_slots + j]
-            mask[j, slots_of[p]] = True
-        attn = torch.cat((torch.ones(P, base, dtype=torch.bool), mask), 1)
-        in_feats = torch.stack([carried[p][0] for p in forward])
-        in_tokens = torch.tensor([carried[p][1] for p in forward])
-        o = draft(in_feats.unsqueeze(0), in_tokens.unsqueeze(0), torch.full((P,), base + level - 1), cache, attn)
-        cache.commit(P)
-        proposer.draft_forwards += 1
-        n_slots += P
+        o = _forward_level(proposer, forward, carried, slots_of, n_slots, base, level)
+        n_slots += len(forward)
         for j, p in enumerate(forward):
             output_of[p] = (o, j)
     cache.truncate(base)
