@@ -8,17 +8,18 @@ import sys
 from typing import TextIO
 
 from .decoding.engine import Metrics
-from .decoding.sampling import SamplingParams
+from .settings import DecodeSettings
 from .errors import JakiroError
 
 HELP = "commands: /reset (forget the conversation), /stats (session figures), /help, /quit"
 
 
 class ChatSession:
-    def __init__(self, engine, sampling: SamplingParams | None = None, max_new_tokens: int = 256,
-                 system: str | None = None, stop: list[str] | None = None):
-        self.engine, self.sampling = engine, sampling or SamplingParams()
-        self.max_new_tokens, self.system, self.stop = max_new_tokens, system, stop or []
+    def __init__(self, engine, settings: DecodeSettings | None = None, system: str | None = None):
+        """``settings``: each reply's decoding (``DecodeSettings``); ``system``: the system prompt."""
+        settings = settings or DecodeSettings()
+        self.engine, self.sampling = engine, settings.sampling()
+        self.max_new_tokens, self.system, self.stop = settings.max_new_tokens, system, list(settings.stop)
         self.reset()
 
     def reset(self) -> None:

@@ -7,8 +7,10 @@ import os
 import statistics
 import sys
 
-from .cli_options import _config_from, build_parser  # noqa: F401 (build_parser: imported from here too)
+from .bench.config import BenchConfig
+from .cli_options import _config_from, build_parser, runtime_from  # noqa: F401 (build_parser: imported from here too)
 from .errors import JakiroError
+from .settings import DecodeSettings, MethodSettings, ServeSettings, settings_with
 from .train.config import DataConfig, TrainConfig
 
 
@@ -30,40 +32,29 @@ def cmd_models(args) -> int:
     return 0
 
 
-def _setup_threads(args) -> None:
-    if getattr(args, "quantized", False):
-        os.environ["JAKIRO_QUANTIZED"] = "1"
-    if getattr(args, "float32", False):
-        os.environ["JAKIRO_QUANTIZED"] = "0"
-    if getattr(args, "int8_activations", False):
-        os.environ["JAKIRO_INT8_ACTIVATIONS"] = "1"
-    if getattr(args, "float32_inputs", False):
-        os.environ["JAKIRO_INT8_ACTIVATIONS"] = "0"
-    if getattr(args, "threads", None) is not None:
-        if args.threads < 1:
-            raise JakiroError(f"--threads must be >= 1, got {args.threads}")
-        import torch
-        torch.set_num_threads(args.threads)
+def _load(args, method: str | None = None):
+    """The target and method the options ask for (``method``: instead of ``--method``)."""
+    from . import load
+    settings = _config_from(args, MethodSettings)
+    if method is not None:
+        settings = settings_with(settings, {"method": method})
+    return load(args.target, runtime=args.runtime, cache_dir=args.cache_dir, settings=settings)
 
 
 def cmd_generate(args) -> int:
-    from . import load
-    from .decoding.sampling import SamplingParams
-
-    params = SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)  # validate early
+    decode = _config_from(args, DecodeSettings)  # checked before the target loads
+    params, stop = decode.sampling(), list(decode.stop)
     if args.compare_rounds < 1:
         raise JakiroError(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
-    jk = load(args.target, args.draft, args.method, args.depth, args.tree_top_k, args.total_tokens,
-              args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
-              args.tree, prompt_vocab=not args.no_prompt_vocab, draft_model=args.draft_model)
+    jk = _load(args)
     engine = jk.engine()
     stream_out = not args.json
     if args.compare and engine.method != "ar":
         # untimed warm-up of both engines, so that neither side of the comparison pays the
         # process's one-time costs (kernel selection, first allocations)
         for e in (engine, jk.engine("ar")):
-            e.generate(args.prompt, 8, params, args.stop, not args.raw)
-    result = engine.generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw,
+            e.generate(args.prompt, 8, params, stop, not args.raw)
+    result = engine.generate(args.prompt, decode.max_new_tokens, params, stop, not args.raw,
                              on_text=(lambda t: print(t, end="", flush=True)) if stream_out else None)
     out = {"method": result.method, "text": result.text, "token_ids": result.token_ids,
            "finish_reason": result.finish_reason, "int8_activations": jk.target.int8_activations,
@@ -75,7 +66,7 @@ def cmd_generate(args) -> int:
         # plain decoding after each run of the method, the method's later runs silent: the medians
         # compare the two under the same moments of a shared machine
         def again(e):
-            return e.generate(args.prompt, args.max_new_tokens, params, args.stop, not args.raw)
+            return e.generate(args.prompt, decode.max_new_tokens, params, stop, not args.raw)
 
         runs, plains = [result], []
         for i in range(args.compare_rounds):
@@ -123,54 +114,31 @@ def _summary_line(result, out: dict, rounds: int) -> str:
 def _load_for_session(args):
     """Target + method for serve/chat: the draft's method if one is given, Jakiro with the shipped
     draft for the default model, plain decoding otherwise."""
-    from . import load
     from .api import shipped_draft
-    method = args.method
-    if method is None and args.draft is None:
+    method = None
+    if args.method is None and args.draft is None:
         method = "jakiro" if shipped_draft("jakiro", args.target) else "ar"
-    return load(args.target, args.draft, method, args.depth, args.tree_top_k, args.total_tokens,
-                args.candidates, False if args.no_parallel else None, args.cache_dir, not args.no_adaptive,
-                args.tree, prompt_vocab=not args.no_prompt_vocab, draft_model=args.draft_model)
+    return _load(args, method)
 
 
 def cmd_serve(args) -> int:
     from .serve.app import serve
-    if not 0 < args.port < 65536:
-        raise JakiroError(f"--port must be in 1..65535, got {args.port}")
-    if args.max_queue < 1:
-        raise JakiroError(f"--max-queue must be >= 1, got {args.max_queue}")
-    if args.default_max_tokens < 1:
-        raise JakiroError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    for name in ("max_body_bytes", "max_connections", "parallel"):
-        if getattr(args, name) < 1:
-            raise JakiroError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.header_timeout > 0:
-        raise JakiroError(f"--header-timeout must be > 0, got {args.header_timeout}")
-    if args.slot_tokens is not None and args.slot_tokens < 2:
-        raise JakiroError(f"--slot-tokens must be >= 2, got {args.slot_tokens}")
-    hosts = [h.strip() for h in args.allowed_hosts.split(",") if h.strip()] if args.allowed_hosts else None
-    jk = _load_for_session(args)
-    serve(jk, args.host, args.port, None, args.model_name, args.max_queue, args.default_max_tokens,
-          args.log_level, args.api_key, args.max_body_bytes, hosts, args.docs, args.header_timeout,
-          args.max_connections, args.parallel, args.slot_tokens)
+    settings = _config_from(args, ServeSettings)  # checked before the target loads
+    serve(_load_for_session(args), settings)
     return 0
 
 
 def cmd_chat(args) -> int:
     from .chat import ChatSession, run_chat
-    from .decoding.sampling import SamplingParams
-    params = SamplingParams(args.temperature, args.top_p, args.sample_top_k, args.seed)
-    if args.max_new_tokens < 1:
-        raise JakiroError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    jk = _load_for_session(args)
-    session = ChatSession(jk.engine(), params, args.max_new_tokens, args.system, args.stop)
+    decode = _config_from(args, DecodeSettings)  # checked before the target loads
+    session = ChatSession(_load_for_session(args).engine(), decode, args.system)
     return run_chat(session)
 
 
 def cmd_bench_cost(args) -> int:
     from .bench.cost_curve import run_cost_curve
     report = run_cost_curve(args.target, args.cache_dir, args.context, args.repeats,
-                            args.new_tokens, args.rounds, args.compare_kernels, args.llamacpp)
+                            args.new_tokens, args.rounds, args.compare_kernels, args.llamacpp, args.runtime)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report, indent=2))
@@ -180,7 +148,7 @@ def cmd_bench_cost(args) -> int:
 def cmd_data(args) -> int:
     from .train.dataset import build_dataset
     cfg = _config_from(args, DataConfig, target=args.target, filter_evaluation=not args.no_eval_filter)
-    state = build_dataset(args.out, cfg, args.cache_dir)
+    state = build_dataset(args.out, cfg, args.cache_dir, runtime=args.runtime)
     keys = ("records", "tokens", "loss_tokens", "records_done", "removed_evaluation", "removed_duplicates",
             "skipped_bad_lines", "feature_tokens_per_s", "regeneration_runs")
     print(json.dumps({k: state[k] for k in keys if k in state}))
@@ -192,7 +160,7 @@ def cmd_train(args) -> int:
     cfg = _config_from(args, TrainConfig, data=args.data, out=args.out, parallel_decoding=not args.no_parallel,
                        draft_vocab_size=args.draft_vocab_size or None,
                        init_from=os.path.abspath(args.init_from) if args.init_from else None)
-    trainer = Trainer(cfg, args.target, args.cache_dir, resume=args.resume, device=args.device)
+    trainer = Trainer(cfg, args.target, args.cache_dir, args.runtime, resume=args.resume, device=args.device)
     result = trainer.run()
     if trainer.rank == 0:
         print(json.dumps(result))
@@ -214,29 +182,27 @@ def _bench_drafts(items: list[str]) -> dict[str, str]:
 def cmd_eval_draft(args) -> int:
     from .train.evaluate import evaluate_drafts
     for row in evaluate_drafts(args.data, args.drafts, args.target, args.cache_dir, args.prompts, args.tokens,
-                               all_records=args.all_records):
+                               all_records=args.all_records, runtime=args.runtime):
         print(json.dumps(row), flush=True)
     return 0
 
 
 def cmd_bench(args) -> int:
-    from .bench.runner import BenchConfig, run_bench
+    from .bench.runner import run_bench
     from .decoding.sampling import SamplingParams
     SamplingParams(args.temperature)
-    drafts = _bench_drafts(args.draft)
-    if args.threads is None:
-        import torch
-        torch.set_num_threads(1)  # benchmarks default to one thread: stable, comparable figures
-    cfg = BenchConfig(args.questions, [m.strip() for m in args.methods.split(",") if m.strip()], drafts,
-                      args.temperature, args.max_new_tokens, args.limit_per_category, args.out,
-                      args.target, args.cache_dir, args.depth, args.tree_top_k, args.total_tokens, args.seed,
-                      static_tree=args.static_tree, repeats=args.repeats, draft_model=args.draft_model)
+    runtime = args.runtime
+    if runtime.threads is None:  # benchmarks default to one thread: stable, comparable figures
+        runtime = runtime.but(threads=1).apply()
+    cfg = _config_from(args, BenchConfig, questions=args.questions, drafts=_bench_drafts(args.draft),
+                       methods=[m.strip() for m in args.methods.split(",") if m.strip()],
+                       target=args.target, cache_dir=args.cache_dir)
     if args.concurrency:
         from .bench.concurrency import concurrency_table, parse_levels, run_concurrency
-        print(concurrency_table(run_concurrency(cfg, parse_levels(args.concurrency))))
+        print(concurrency_table(run_concurrency(cfg, parse_levels(args.concurrency), runtime=runtime)))
         return 0
     from .bench.summary import markdown_table
-    summary = run_bench(cfg)
+    summary = run_bench(cfg, runtime=runtime)
     print(markdown_table(summary))
     return 0
 
@@ -247,7 +213,7 @@ def cmd_tune(args) -> int:
     draft = args.draft or shipped_draft("jakiro", args.target)
     if draft is None:
         raise JakiroError("no draft to tune: pass --draft PATH")
-    result = run_tune(draft, args.target, args.cache_dir, args.max_new_tokens)
+    result = run_tune(draft, args.target, args.cache_dir, args.max_new_tokens, runtime=args.runtime)
     print(json.dumps({k: result.get(k) for k in ("best", "complete", "ar_tokens_per_s", "forward_ms", "saved_to",
                                                  "threads")}, indent=2))
     if args.save_default and result.get("complete"):
@@ -276,7 +242,7 @@ COMMANDS = {"serve": cmd_serve, "chat": cmd_chat, "tune": cmd_tune, "bench": cmd
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _setup_threads(args)
+        args.runtime = runtime_from(args).apply()
         return COMMANDS[args.command](args)
     except JakiroError as exc:
         print(f"jakiro: error: {exc}", file=sys.stderr)

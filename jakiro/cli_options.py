@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from .methods import METHODS
-from .train.config import DataConfig, TrainConfig, cli_fields
+from .bench.config import BenchConfig
+from .settings import DecodeSettings, MethodSettings, Runtime, ServeSettings, cli_fields
+from .train.config import DataConfig, TrainConfig
 
 
 class _Help(argparse.HelpFormatter):
@@ -16,7 +16,8 @@ class _Help(argparse.HelpFormatter):
         text = action.help or ""
         default = action.default
         if (default is None or default is False or default is argparse.SUPPRESS or default == []
-                or "default" in text or not action.option_strings):
+                or "default" in text or not action.option_strings
+                or isinstance(action, (argparse._StoreConstAction, argparse._StoreFalseAction))):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
@@ -33,6 +34,9 @@ class _Parser(argparse.ArgumentParser):
 def _add_config_args(p: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
     """Options from a settings dataclass: its fields' defaults, help and choices."""
     for name, flag, default, meta in cli_fields(cls, skip):
+        if "action" in meta:  # a switch of its own kind (store_false, store_const) or a repeatable option
+            p.add_argument(flag, dest=name, default=None if meta["action"] == "append" else default, **meta)
+            continue
         if default is False:  # a switch
             p.add_argument(flag, dest=name, action="store_true", **meta)
             continue
@@ -47,74 +51,57 @@ def _config_from(args, cls, **extra):
     return cls(**values)
 
 
+def runtime_from(args) -> Runtime:
+    """The ``Runtime`` the target options ask for (the environment's defaults otherwise)."""
+    return Runtime.from_env(threads=getattr(args, "threads", None),
+                            quantized=True if getattr(args, "quantized", False) else
+                            False if getattr(args, "float32", False) else None,
+                            int8_activations=True if getattr(args, "int8_activations", False) else
+                            False if getattr(args, "float32_inputs", False) else None)
+
+
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="a named model (`jakiro models list`), a .gguf file or a Hugging Face folder "
                                     "(default: smollm2-135m)")
     p.add_argument("--cache-dir", help="where models and their metadata are kept (default: $JAKIRO_CACHE "
                                        "or ~/.cache/jakiro)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: $JAKIRO_THREADS, else torch's choice)")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--float32", action="store_true",
                          help="run a GGUF target as a float32 copy of its weights instead of its own blocks (the "
-                              "same weights, four to eight times the bytes; also JAKIRO_QUANTIZED=0)")
+                              "same weights, four to eight times the bytes; the default when $JAKIRO_QUANTIZED=0)")
     weights.add_argument("--quantized", action="store_true",
                          help="run a GGUF target from its own blocks (the default)")
     inputs = p.add_mutually_exclusive_group()
     inputs.add_argument("--int8-activations", action="store_true",
                         help="the GGUF blocks take their inputs as int8, as llama.cpp does (the default where the "
                              "CPU has AVX-512 VNNI or AMX): every forward cheaper, a tree's extra tokens much "
-                             "cheaper; greedy text is that computation's (every method shares it; also "
-                             "JAKIRO_INT8_ACTIVATIONS=1)")
+                             "cheaper; greedy text is that computation's (every method shares it; the default also "
+                             "when $JAKIRO_INT8_ACTIVATIONS=1)")
     inputs.add_argument("--float32-inputs", action="store_true",
                         help="the GGUF blocks take float32-accurate inputs: logits within float32 rounding of the "
-                             "float32 weights' (Hugging Face's), forwards slower (also JAKIRO_INT8_ACTIVATIONS=0)")
+                             "float32 weights' (Hugging Face's), forwards slower (the default when "
+                             "$JAKIRO_INT8_ACTIVATIONS=0)")
 
 
-def _add_tree_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", help="draft checkpoint folder (default: the shipped draft for the method)")
-    p.add_argument("--draft-model", help="method draft-model: the small model that drafts, a named model, .gguf file "
-                   "or folder sharing the target's tokenizer (default: the named target's own, e.g. "
-                   "qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)")
-    p.add_argument("--depth", type=int, help="draft tree depth")
-    p.add_argument("--tree-top-k", dest="tree_top_k", type=int,
-                   help="children expanded per draft node (--top-k is the sampling filter)")
-    p.add_argument("--total-tokens", type=int, help="draft tokens verified per cycle")
-    p.add_argument("--candidates", choices=("decoupled", "blended"), help="Jakiro candidate mode")
-    p.add_argument("--no-parallel", action="store_true", help="Jakiro: disable contrastive parallel decoding")
-    p.add_argument("--tree", help="static:NAME|PATH: a static (EAGLE-1) tree, a preset (eagle1, chain2, cpu) "
-                   "or a JSON list of rank paths, instead of the dynamic tree")
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="drafts: verify the same tree every cycle instead of drafting only what pays "
-                        "(explicit --depth/--tree-top-k/--total-tokens also fix the tree); pld: verify the "
-                        "whole lookup chain every cycle (the classic prompt lookup)")
-    p.add_argument("--no-prompt-vocab", action="store_true",
-                   help="drafts: score only the draft vocabulary, not also the tokens of the request's "
-                        "prompt that it lacks")
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    """The method and its tree: ``MethodSettings``'s fields."""
+    _add_config_args(p, MethodSettings)
 
 
 def _add_session_args(p: argparse.ArgumentParser) -> None:
     """Model options of the long-running commands (serve, chat); see ``_load_for_session``."""
-    p.add_argument("--method", choices=METHODS,
-                   help="decoding method (default: the draft's method; jakiro for the default model)")
     _add_target_args(p)
-    _add_tree_args(p)
+    _add_method_args(p)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
-    p.add_argument("--top-k", dest="sample_top_k", type=int, default=0,
-                   help="top-k sampling filter (0 = off)")
-    p.add_argument("--seed", type=int, help="sampling seed (reproducible output for the same seed)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_config_args(p, DecodeSettings)
 
 
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True, help="the user message (with --raw: the text to continue)")
-    g.add_argument("--method", choices=METHODS,
-                   help="decoding method; +pld adds prompt-lookup branches to the draft's tree")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--compare", action="store_true",
@@ -122,36 +109,13 @@ def _add_generate(sub) -> None:
     g.add_argument("--compare-rounds", type=int, default=3,
                    help="with --compare: runs of each, interleaved; tokens/s and the speedup are their "
                         "medians (default: 3; a single run of a short answer moves by a tenth)")
-    _add_target_args(g)
-    _add_tree_args(g)
+    _add_session_args(g)
     _add_sampling_args(g)
 
 
 def _add_serve(sub) -> None:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    sv.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    sv.add_argument("--model-name", help="model id served to clients (default: the target's name)")
-    sv.add_argument("--max-queue", type=int, default=16, help="requests that may wait; more get HTTP 429")
-    sv.add_argument("--default-max-tokens", type=int, default=256,
-                    help="completion length when a request gives no max_tokens")
-    sv.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                    help="server log verbosity")
-    sv.add_argument("--api-key", default=os.environ.get("JAKIRO_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $JAKIRO_API_KEY, else none)")
-    sv.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies get HTTP 413")
-    sv.add_argument("--allowed-hosts", help="comma-separated Host header names to answer (default: loopback "
-                    "names when --host is loopback, any otherwise)")
-    sv.add_argument("--header-timeout", type=float, default=10.0,
-                    help="seconds a connection may take to send a request head")
-    sv.add_argument("--max-connections", type=int, default=64, help="concurrent connections; more get HTTP 503")
-    sv.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs and /redoc")
-    sv.add_argument("--parallel", type=int, default=1,
-                    help="requests decoded together (continuous batching; each keeps its method's drafts, all "
-                    "verified in one forward); 1: one at a time")
-    sv.add_argument("--slot-tokens", type=int,
-                    help="with --parallel > 1: tokens (prompt and answer) each request may take; its KV cache "
-                    "is allocated for every slot at start (default: the model's context, at most 4096)")
+    _add_config_args(sv, ServeSettings)
     _add_session_args(sv)
 
 
@@ -224,22 +188,10 @@ def _add_bench(sub) -> None:
                    "eagle2-fixed,jakiro-fixed,eagle2-static,jakiro-static,jakiro-serial (-fixed: the draft's fixed "
                    "tree every cycle; -static: the --static-tree; -serial: a real last draft step instead of the "
                    "contrastive branch)")
-    b.add_argument("--static-tree", default="static:cpu", help="tree of the -static methods (static:NAME|PATH)")
-    b.add_argument("--draft-model", help="the small model of the draft-model methods (default: the named target's own)")
     b.add_argument("--draft", action="append", default=[], metavar="PATH",
                    help="draft folder, used for its own method (repeatable); METHOD=PATH picks the method, "
                         "e.g. jakiro-blended=runs/x")
-    b.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, 0 = greedy")
-    b.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
-    b.add_argument("--limit-per-category", type=int, help="questions per category at most (default: all)")
-    b.add_argument("--depth", type=int, help="draft tree depth (draft-model: chain length)")
-    b.add_argument("--tree-top-k", type=int, help="children expanded per draft node")
-    b.add_argument("--total-tokens", type=int, help="draft tokens verified per cycle")
-    b.add_argument("--seed", type=int, default=0, help="sampling seed of every answer")
-    b.add_argument("--repeats", type=int, default=1,
-                   help="answer each turn this many times per method (interleaved) and keep the fastest: "
-                        "steadier speedups on a shared machine, same tokens")
-    b.add_argument("--out", default="bench_out", help="folder for answers, progress (resumable) and the summary")
+    _add_config_args(b, BenchConfig)
     b.add_argument("--concurrency", metavar="N,M,...",
                    help="instead: aggregate tokens/s with N requests decoded together (continuous batching, as "
                         "serve --parallel N), each level against one at a time; writes concurrency.json")

@@ -3,6 +3,7 @@ import os
 
 import pytest
 import torch
+from jakiro.settings import Runtime
 
 torch.set_num_threads(1)
 # Float32-accurate inputs unless a test asks for int8 ones: the default (int8 where the CPU has
@@ -16,7 +17,7 @@ def smol():
     """The default target (SmolLM2-135M-Instruct) with plain decoding, float32-accurate inputs
     (what Hugging Face's float32 model of the file computes, within rounding)."""
     import jakiro
-    return jakiro.load(int8_activations=False)
+    return jakiro.load(runtime=Runtime.from_env(int8_activations=False))
 
 
 @pytest.fixture(scope="session")

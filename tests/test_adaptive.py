@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from jakiro.decoding import adaptive
 from jakiro.decoding.adaptive import PROBE_SHARE, AdaptiveProposer, CostTable
 from jakiro.decoding.engine import Engine, Metrics
 from jakiro.decoding.proposers import PromptLookupProposer, TreeBudget
@@ -321,13 +322,14 @@ def test_depth_follows_observed_acceptance(tiny):
     assert proposer.reach_probability()[0] > 0.9
 
 
-def test_an_idle_draft_is_tried_again_as_its_misses_go_stale(tiny):
+def test_an_idle_draft_is_tried_again_as_its_misses_go_stale(tiny, monkeypatch):
     """Outcomes fade with plain steps too: after a run of misses has made plain steps win, the
     estimate drifts back toward the prior and the draft drafts again within a dozen steps, probes
     aside. With outcomes fading only when the draft drafts, it would stay idle for good."""
     def plain_steps_until_drafting(idle_forget):
         proposer = make(tiny, CostTable({1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9, 16: 5.0}, {d: 0.05 * d for d in range(1, 5)}))
-        proposer.idle_forget, proposer.probe_share = idle_forget, 0.0  # no probes
+        monkeypatch.setattr(adaptive, "IDLE_FORGET", idle_forget)
+        monkeypatch.setattr(adaptive, "PROBE_SHARE", 0.0)  # no probes
         proposer.start(256)
         proposer.reached[1:] = [0.5, 0.1, 0.0, 0.0]  # 20 recent cycles, depth 1 reached in 2.5 % of them
         proposer.tried[1:] = [20.0, 0.5, 0.1, 0.0]

@@ -50,6 +50,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(tmp_path):
     from jakiro.decoding.engine import Engine
     from jakiro.models.hub import resolve_target
     from jakiro.models.target import TargetModel
+    from jakiro.settings import Runtime
     build = str(tmp_path / "build")
     os.makedirs(build)
     code = (f"from torch.utils.cpp_extension import load; load(name='jakiro_smallgemm', sources={[smallgemm.SOURCE, *smallgemm.MORE_SOURCES]!r}, "
@@ -59,7 +60,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(tmp_path):
     path = write_model(str(tmp_path / "m.gguf"), "qwen2", layers=2)
     cache = str(tmp_path / "cache")
     folder = resolve_target(path, cache=cache)
-    native = Engine(TargetModel.from_folder(folder, int8_activations=False), load_tokenizer(folder))
+    native = Engine(TargetModel.from_folder(folder, Runtime.from_env(int8_activations=False)), load_tokenizer(folder))
     expected = native.generate(list(range(40, 60)), 24).token_ids
     tests = os.path.dirname(os.path.abspath(__file__))
     script = CHECK.format(tests=tests, build=build, model=path, cache=cache)

@@ -36,8 +36,8 @@ def test_batched_greedy_answers_equal_each_answer_alone(smol, method):
 
 
 def test_sampled_requests_reproduce_their_seeded_draws_in_a_batch(smol):
-    alone = [smol.generate(p, 32, temperature=0.9, seed=11, method="jakiro") for p in PROMPTS[:3]]
-    together = smol.generate_batch(PROMPTS[:3], 32, temperature=0.9, seed=11, method="jakiro")
+    alone = [smol.generate(p, max_new_tokens=32, temperature=0.9, seed=11, method="jakiro") for p in PROMPTS[:3]]
+    together = smol.generate_batch(PROMPTS[:3], max_new_tokens=32, temperature=0.9, seed=11, method="jakiro")
     assert [t.token_ids for t in together] == [a.token_ids for a in alone]
     assert [t.text for t in together] == [a.text for a in alone]
 
@@ -45,12 +45,12 @@ def test_sampled_requests_reproduce_their_seeded_draws_in_a_batch(smol):
 def test_generate_batch_applies_stop_strings_and_refuses_bad_input(smol):
     from jakiro.errors import JakiroError
     prompts = ["Count from 1 to 20, separated by commas.", "Say hello."]
-    alone = [smol.generate(p, 48, stop=["7"]) for p in prompts]
-    together = smol.generate_batch(prompts, 48, stop=["7"], parallel=2)
+    alone = [smol.generate(p, max_new_tokens=48, stop=["7"]) for p in prompts]
+    together = smol.generate_batch(prompts, max_new_tokens=48, stop=["7"], parallel=2)
     assert [t.text for t in together] == [a.text for a in alone]
     assert "7" not in together[0].text and together[0].finish_reason == "stop"
     with pytest.raises(JakiroError, match="context length"):
-        smol.generate_batch(["hi", "word " * 9000], 16)
+        smol.generate_batch(["hi", "word " * 9000], max_new_tokens=16)
     engine = smol.engine("ar")
     with pytest.raises(JakiroError, match="2 sampling settings for 3 prompts"):
         engine.generate_batch(["a", "b", "c"], 4, sampling=[None, None])
@@ -102,7 +102,7 @@ def parallel_server(smol):
 def test_parallel_server_answers_each_client_as_alone(parallel_server, smol):
     from test_serve import get, metric
     prompts = PROMPTS + ["Name three colours.", "Why is the sky blue?"]
-    expected = {p: smol.generate(p, 24, method="jakiro").text for p in prompts}
+    expected = {p: smol.generate(p, max_new_tokens=24, method="jakiro").text for p in prompts}
     results, errors = {}, []
 
     def ask(p):

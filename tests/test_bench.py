@@ -144,12 +144,12 @@ def test_tune_saves_a_choice_that_load_uses(tmp_path, tiny_chat_target, tiny_dra
     # ... and for the weights the target streams: quantized weights cost otherwise
     from jakiro.draft.tuning import tuning_path
     from jakiro.models import smallgemm
-    assert tuning_path(tiny_draft, str(tmp_path / "cache"), quantized=False) == result["saved_to"]
+    cache = str(tmp_path / "cache")
+    assert tuning_path(tiny_draft, cache, quantized=False, int8_activations=False) == result["saved_to"]
     if smallgemm.available():  # without the kernel nothing streams quantized weights
-        assert tuning_path(tiny_draft, str(tmp_path / "cache"), quantized=True) != result["saved_to"]
-    monkeypatch.setenv("JAKIRO_QUANTIZED", "1")
-    assert tuning_path(tiny_draft, str(tmp_path / "cache")) == tuning_path(tiny_draft, str(tmp_path / "cache"),
-                                                                          quantized=True)
+        assert tuning_path(tiny_draft, cache, quantized=True, int8_activations=False) != result["saved_to"]
+        assert tuning_path(tiny_draft, cache, quantized=True, int8_activations=True) != tuning_path(
+            tiny_draft, cache, quantized=True, int8_activations=False)
 
 
 def test_a_drafts_default_tree_applies_where_this_machine_has_not_tuned_it(tmp_path, tiny_chat_target, tiny_draft):

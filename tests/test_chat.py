@@ -14,9 +14,10 @@ import pytest
 
 def session(smol, **kw):
     from jakiro.chat import ChatSession
-    from jakiro.decoding.sampling import SamplingParams
+    from jakiro.settings import DecodeSettings
     kw.setdefault("max_new_tokens", 16)
-    return ChatSession(smol.engine("jakiro"), SamplingParams(), **kw)
+    system = kw.pop("system", None)
+    return ChatSession(smol.engine("jakiro"), DecodeSettings(**kw), system)
 
 
 def test_chat_streams_replies_keeps_history_and_reports(smol):
@@ -106,7 +107,7 @@ def test_chat_command_in_a_pseudo_terminal(smol):
 @pytest.mark.slow
 def test_chat_command_rejects_bad_options():
     for args, message in ((["--temperature", "-1"], "temperature must be a finite number >= 0"),
-                          (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+                          (["--max-new-tokens", "0"], "max_new_tokens must be a positive integer, got 0"),
                           (["--draft", "/nonexistent/draft"], "/nonexistent/draft")):
         res = subprocess.run([sys.executable, "-m", "jakiro", "chat", *args], capture_output=True, text=True,
                              timeout=120, stdin=subprocess.DEVNULL)

@@ -106,10 +106,11 @@ def tiny_files(tmp_path_factory):
                   for arch, shape in ARCH_SHAPES.items()}
 
 
-def _load(path, cache, **kwargs):
+def _load(path, cache, **runtime):
     from jakiro.models.hub import resolve_target
     from jakiro.models.target import TargetModel
-    return TargetModel.from_folder(resolve_target(path, cache=str(cache)), **kwargs)
+    from jakiro.settings import Runtime
+    return TargetModel.from_folder(resolve_target(path, cache=str(cache)), Runtime.from_env(**runtime))
 
 
 @needs_kernel

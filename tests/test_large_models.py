@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from jakiro.models import registry
+from jakiro.settings import Runtime
 
 pytestmark = pytest.mark.large
 
@@ -27,7 +28,7 @@ def test_greedy_text_equals_hugging_face_generate(name):
     import jakiro
     from jakiro.models.gguf_file import hugging_face_model
     _pulled(name)
-    jk = jakiro.load(target=name, int8_activations=False)
+    jk = jakiro.load(target=name, runtime=Runtime.from_env(int8_activations=False))
     hf = hugging_face_model(jk.target_path)
     engine = jk.engine("ar")
     for prompt in PROMPTS:

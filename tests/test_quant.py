@@ -13,6 +13,7 @@ import torch
 from helpers import needs_int8_activations
 from jakiro.models import quant, smallgemm
 from jakiro.models.linear import SMALL_ROWS, FastLinear
+from jakiro.settings import Runtime
 
 needs_kernel = pytest.mark.skipif(not smallgemm.available(), reason="small-batch kernel unavailable here")
 needs_tiles = pytest.mark.skipif(not smallgemm.tiles_enabled(), reason="no AMX tile unit (or kernel) here")
@@ -201,10 +202,10 @@ def test_tile_kernel_can_be_switched_off(tmp_path):
 @needs_kernel
 def test_default_target_quantized_decoding_steps_match_float32(smol):
     from jakiro.models.target import TargetModel
-    model = TargetModel.from_folder(smol.target_path, quantized=True)
+    model = TargetModel.from_folder(smol.target_path, Runtime.from_env(quantized=True))
     assert model.quantized_matrices == 7 * model.config.num_layers + 1  # every matrix and the tied head
     assert smol.target.quantized_matrices == model.quantized_matrices  # the default
-    smol = SimpleNamespace(target=TargetModel.from_folder(smol.target_path, quantized=False),
+    smol = SimpleNamespace(target=TargetModel.from_folder(smol.target_path, Runtime.from_env(quantized=False)),
                            target_path=smol.target_path, engine=smol.engine)
     ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome."))
     caches = [m.new_cache(len(ids) + 16, scratch=8) for m in (smol.target, model)]
@@ -246,7 +247,7 @@ def test_prompts_run_the_tile_kernel_in_pieces(smol):
     from jakiro.models.target import CHUNKED_PREFILL_MAX, TargetModel
     model = smol.target
     assert model.tile_matrices > 0
-    reference = TargetModel.from_folder(smol.target_path, quantized=False)
+    reference = TargetModel.from_folder(smol.target_path, Runtime.from_env(quantized=False))
     ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome. " * 8))
     assert SMALL_ROWS * 2 < len(ids) <= CHUNKED_PREFILL_MAX
     cache = model.new_cache(len(ids))
@@ -274,7 +275,7 @@ def test_int8_activations_target(smol, monkeypatch):
     a CPU without the kernels, is refused with a clear message."""
     from jakiro.errors import JakiroError
     from jakiro.models.target import TargetModel
-    model = TargetModel.from_folder(smol.target_path, int8_activations=True)
+    model = TargetModel.from_folder(smol.target_path, Runtime.from_env(int8_activations=True))
     assert model.input_bytes == 1 and model.tile_matrices == 4 * model.config.num_layers + 1
     ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome. Then list three emperors."))
     cache = model.new_cache(len(ids) + 8, scratch=8)
@@ -292,10 +293,10 @@ def test_int8_activations_target(smol, monkeypatch):
         assert torch.equal(single[0], tree[i])
         cache.commit(1)
     with pytest.raises(JakiroError, match="from a GGUF file, streamed as its blocks"):
-        TargetModel.from_folder(smol.target_path, quantized=False, int8_activations=True)
+        TargetModel.from_folder(smol.target_path, Runtime.from_env(quantized=False, int8_activations=True))
     with smallgemm.int8_disabled(), smallgemm.tiles_disabled():
         with pytest.raises(JakiroError, match="AVX-512 VNNI or AMX"):
-            TargetModel.from_folder(smol.target_path, int8_activations=True)
+            TargetModel.from_folder(smol.target_path, Runtime.from_env(int8_activations=True))
     monkeypatch.setenv("JAKIRO_INT8_ACTIVATIONS", "1")
     assert TargetModel.from_folder(smol.target_path).input_bytes == 1
 
@@ -307,7 +308,7 @@ def test_int8_activations_prompts_of_any_length_run_in_pieces(smol):
     last tokens get bitwise the features of feeding them one at a time after the rest (and the
     last one its logits, as decoding prefills); without ``chunked`` too (no float32 copy to run)."""
     from jakiro.models.target import CHUNKED_PREFILL_MAX, TargetModel
-    model = TargetModel.from_folder(smol.target_path, int8_activations=True)
+    model = TargetModel.from_folder(smol.target_path, Runtime.from_env(int8_activations=True))
     ids = torch.tensor(smol.engine().encode("Tell me about the history of Rome. " * 70))
     tail = 24
     assert len(ids) - tail > CHUNKED_PREFILL_MAX
@@ -340,7 +341,7 @@ def test_draft_on_a_quantized_target_streams_blocks(smol):
     and the draft's layers are rounded to Q8_0: proposals stay close to the float32 draft's."""
     from jakiro.draft import load_draft
     from jakiro.models.target import TargetModel
-    model = TargetModel.from_folder(smol.target_path, quantized=False)
+    model = TargetModel.from_folder(smol.target_path, Runtime.from_env(quantized=False))
     from jakiro.api import shipped_draft
     drafts = [load_draft(shipped_draft("eagle2"), t) for t in (model, smol.target)]
     assert not drafts[0].quantized and drafts[1].quantized
@@ -370,7 +371,7 @@ def test_a_request_head_lays_out_only_its_new_rows(smol):
     from jakiro.draft.head import DraftHead
     from jakiro.models.target import TargetModel
     x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
-    for target, tol in ((smol.target, 0.5), (TargetModel.from_folder(smol.target_path, quantized=False), 1e-3)):
+    for target, tol in ((smol.target, 0.5), (TargetModel.from_folder(smol.target_path, Runtime.from_env(quantized=False)), 1e-3)):
         draft = load_draft(shipped_draft("eagle2"), target)
         head = draft.head(2048, extra=torch.tensor([40000, 40001, 45000, 7]))
         assert head.size > 2048 and head.size % 16 == 0 and head._base is draft.head(2048)

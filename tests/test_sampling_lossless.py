@@ -295,7 +295,7 @@ def test_sampled_draft_chain_matches_plain(tiny_small_vocab, params, setup, monk
     check_distribution(samples, exact_three_tokens(target, prompt, SamplingParams(**kw)))
 
 
-def test_drawn_chains_repeat_with_a_seed_and_can_be_switched_off(tiny_small_vocab, monkeypatch):
+def test_drawn_chains_repeat_with_a_seed(tiny_small_vocab, monkeypatch):
     target, tok, prompt = tiny_small_vocab
     proposer = DraftProposer(random_jakiro_draft(target, seed=5), TreeBudget(depth=3, top_k=1, total_tokens=3))
     engine = Engine(target, tok, proposer)
@@ -314,10 +314,6 @@ def test_drawn_chains_repeat_with_a_seed_and_can_be_switched_off(tiny_small_voca
     for t in trees:  # each node carries the distribution its token was drawn from
         for node, (ids, q) in t.proposals.items():
             assert float(q[ids == t.tokens[node]].sum()) > 0 and abs(float(q.sum()) - 1) < 1e-5
-    trees.clear()
-    proposer.draw_chains = False
-    engine.generate(prompt, 12, params)
-    assert trees and all(t.proposals is None for t in trees)
     trees.clear()
     engine.generate(prompt, 12, SamplingParams())  # greedy requests take the most likely tokens
     assert not trees

@@ -9,6 +9,7 @@ from jakiro.decoding.engine import Engine
 from jakiro.decoding.proposers import PromptLookupProposer, TreeBudget
 from jakiro.decoding.draft_proposer import DraftProposer
 from jakiro.draft import DraftConfig, DraftModel, load_draft, save_draft
+from jakiro.settings import Runtime
 
 N_PROMPTS, N_TOKENS = 20, 128
 
@@ -100,7 +101,7 @@ def test_smollm2_int8_activations_greedy_equals_plain(smol):
     within a request) still give plain decoding's tokens exactly."""
     import jakiro
     from jakiro.api import shipped_draft
-    jk = jakiro.load(int8_activations=True)
+    jk = jakiro.load(runtime=Runtime.from_env(int8_activations=True))
     assert jk.target.input_bytes == 1 and jk.target.tile_matrices == 4 * jk.target.config.num_layers + 1
     prompts = spec_bench_prompts(4)
     ref_engine = jk.engine("ar")
@@ -108,7 +109,7 @@ def test_smollm2_int8_activations_greedy_equals_plain(smol):
     reference = [ref_engine.generate(i, N_TOKENS).token_ids for i in ids]
     assert reference != [smol.engine("ar").generate(i, N_TOKENS).token_ids for i in ids]  # it is another computation
     for method in ("pld", "jakiro", "eagle2", "eagle2+pld"):
-        engine = jk.add_method(method, shipped_draft(method.split("+")[0]) if method != "pld" else None)
+        engine = jk.add_method(method, draft=shipped_draft(method.split("+")[0]) if method != "pld" else None)
         for prompt, ref in zip(ids, reference):
             assert engine.generate(prompt, N_TOKENS).token_ids == ref, method
 

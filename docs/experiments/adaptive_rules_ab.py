@@ -23,6 +23,9 @@ import sys
 
 import torch
 
+from jakiro.decoding.adaptive import PROBE_SHARE
+from jakiro.settings import Runtime
+
 sys.path.insert(0, os.path.dirname(__file__))
 from sampled_chain_ab import development_prompts  # noqa: E402
 
@@ -32,15 +35,24 @@ KINDS = ("dev", "translation", "readme")
 
 def earlier_rules(proposer, fade: bool = False, cut_as_miss: bool = True, probe_share: float | None = None):
     """Give ``proposer`` the earlier behaviour, rule by rule."""
-    if not fade:
-        proposer.idle_forget = 1.0
-    if probe_share is not None:
-        proposer.probe_share = probe_share
-    if cut_as_miss:
-        class CutAsMiss(type(proposer)):
+    class Earlier(type(proposer)):
+        if not fade:  # outcomes fade only with drafted cycles
+            def _fade_idle(self):
+                self.idle += 1
+
+        if probe_share is not None:  # another probe budget: the plain steps' time scaled to it
+            def _probe_affordable(self, plain_tokens):
+                real = self.plain_ms
+                self.plain_ms = real * probe_share / PROBE_SHARE
+                try:
+                    return super()._probe_affordable(plain_tokens)
+                finally:
+                    self.plain_ms = real
+
+        if cut_as_miss:
             def _count_unverified(self, tree):
                 self._count(int(tree.depths.max()), 0)
-        proposer.__class__ = CutAsMiss
+    proposer.__class__ = Earlier
 
 
 def main() -> None:
@@ -56,7 +68,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import jakiro
-    jk = jakiro.load(int8_activations=args.int8_activations)
+    jk = jakiro.load(runtime=Runtime(int8_activations=args.int8_activations))
     engines = {"ar": jk.engine("ar"), "current": jk.add_method(args.method)}
     variants = {"no fade": {"fade": False, "cut_as_miss": False}, "cut = miss": {"fade": True},
                 "earlier": {}} | {f"share {s}": {"probe_share": s} for s in args.probe_shares}

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from jakiro.settings import Runtime
+
 PROMPTS = ["Write a short story about a lighthouse keeper.",
            "How do I reverse a linked list in Python? Explain step by step.",
            "What are the main causes of inflation?",
@@ -32,7 +34,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import jakiro
     from jakiro.draft.model import DraftModel
-    jk = jakiro.load(method=args.method, int8_activations=args.int8_activations, depth=args.depth, top_k=1,
+    jk = jakiro.load(method=args.method, runtime=Runtime(int8_activations=args.int8_activations), depth=args.depth, tree_top_k=1,
                      total_tokens=args.depth, adaptive=False)
     proposer = jk.engine().proposer
     one_call, propose = DraftModel.chain, proposer.propose

@@ -27,6 +27,8 @@ import math
 import time
 
 import torch
+
+from jakiro.settings import Runtime
 import torch.nn.functional as F
 
 MID_LAYERS = (3, 15)  # residual stream after these many decoder layers (of 30)
@@ -42,7 +44,7 @@ def extract(args) -> None:
 
     path = resolve_target()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    m = TargetModel.from_folder(path, quantized=False)
+    m = TargetModel.from_folder(path, Runtime(quantized=False))
     with open(args.source) as f:
         lines = f.read().splitlines()[args.first:args.first + args.count]
     out, tokens, t0 = [], 0, time.time()

@@ -25,6 +25,8 @@ import sys
 
 import torch
 
+from jakiro.settings import Runtime
+
 sys.path.insert(0, os.path.dirname(__file__))
 from sampled_chain_ab import development_prompts  # noqa: E402
 
@@ -87,7 +89,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import jakiro
 
-    jk = jakiro.load(int8_activations=args.int8_activations)
+    jk = jakiro.load(runtime=Runtime(int8_activations=args.int8_activations))
     target, tok = jk.target, jk.tokenizer
     accepts = [float(a) for a in args.accept.split(",")]
     depths = [int(d) for d in args.depths.split(",")]

@@ -22,9 +22,20 @@ import os
 
 import torch
 
+from jakiro.settings import Runtime
+
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "data", "self-distilled")
 FILES = ("greedy", "tasks-greedy", "tasks2-greedy", "tasks3-greedy", "sample")
 HELD_OUT = 32  # the trainer holds out each file's last 32 records
+
+
+def draw_chains(proposer, drawn: bool) -> None:
+    """Whether ``proposer`` draws its chains from the draft's distribution in sampled requests
+    (the runtime's way) or takes the draft's most likely tokens as in greedy ones."""
+    if drawn:
+        proposer.__dict__.pop("set_sampling", None)
+    else:
+        proposer.set_sampling = lambda params, generator=None: type(proposer).set_sampling(proposer, None)
 
 
 def development_prompts(per_file: int) -> list[str]:
@@ -78,7 +89,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import jakiro
     from jakiro.decoding.sampling import SamplingParams
-    jk = jakiro.load(int8_activations=args.int8_activations)
+    jk = jakiro.load(runtime=Runtime(int8_activations=args.int8_activations))
     prompts = development_prompts(args.per_file)
     methods = args.methods.split(",")
     if args.acceptance:
@@ -101,7 +112,7 @@ def main() -> None:
             engine = entry if name == "ar" else entry[0]
             if name != "ar":
                 _, proposer, drawn = entry
-                proposer.draw_chains = drawn
+                draw_chains(proposer, drawn)
             m = engine.generate(prompt, args.max_new_tokens, SamplingParams(temperature=args.temperature, seed=i)).metrics
             totals[name][0] += m.new_tokens
             totals[name][1] += m.total_s - m.prefill_s

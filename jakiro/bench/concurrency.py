@@ -13,6 +13,7 @@ import statistics
 import time
 
 from ..errors import JakiroError
+from ..settings import Runtime
 from ..methods import METHODS
 from ..data.questions import read_questions
 from .runner import select_questions
@@ -28,7 +29,7 @@ def parse_levels(text: str) -> list[int]:
     return levels if levels[0] == 1 else [1] + levels  # N = 1 is the reference
 
 
-def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
+def run_concurrency(cfg, levels: list[int], progress: bool = True, runtime: Runtime | None = None) -> dict:
     """``cfg``: a ``runner.BenchConfig`` (questions, methods, target, tokens, temperature, out).
     Writes concurrency.json and concurrency.md in ``cfg.out``; returns the summary."""
     import torch
@@ -43,9 +44,9 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True) -> dict:
     prompts = [q["turns"][0] for q in questions]
     if len(prompts) < max(levels):
         raise JakiroError(f"{len(prompts)} questions for {max(levels)} concurrent requests: take more questions")
-    jk = load(cfg.target, cache_dir=cfg.cache_dir)
-    engines = {m: jk.add_method(m, cfg.drafts.get(m.removesuffix("+pld")), cache_dir=cfg.cache_dir,
-                                draft_model=cfg.draft_model) for m in methods}
+    jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime)
+    engines = {m: jk.add_method(m, draft=cfg.drafts.get(m.removesuffix("+pld")), draft_model=cfg.draft_model)
+               for m in methods}
     sampling = SamplingParams(cfg.temperature, seed=cfg.seed) if cfg.temperature > 0 else None
     for engine in engines.values():  # warm-up
         engine.generate_batch(prompts[:2], 8, sampling, parallel=2)

@@ -14,6 +14,7 @@ import torch
 
 from ..decoding.costs import forward_costs, median_ms, prefilled_cache
 from ..models import smallgemm
+from ..settings import Runtime
 
 PROMPT = "Write a detailed, step by step explanation of how a refrigerator keeps food cold."
 
@@ -159,16 +160,17 @@ def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int,
     drift hits all alike); medians over ``rounds``."""
     from ..models.target import TargetModel
     models = {}
+    blocks, floats = (with_kernel.runtime.but(quantized=q, int8_activations=False) for q in (True, False))
     if with_kernel.quantized_matrices:
         models["quantized"] = with_kernel
         if with_kernel.tile_matrices:
             with smallgemm.int8_disabled(), smallgemm.tiles_disabled():  # int8 first: it asks whether tiles run
-                models["quantized_portable"] = TargetModel.from_folder(target_path, quantized=True)
-        models["small_batch"] = TargetModel.from_folder(target_path, quantized=False)
+                models["quantized_portable"] = TargetModel.from_folder(target_path, blocks)
+        models["small_batch"] = TargetModel.from_folder(target_path, floats)
     else:
         models["small_batch"] = with_kernel
     with smallgemm.disabled():
-        models["torch"] = TargetModel.from_folder(target_path, quantized=False)
+        models["torch"] = TargetModel.from_folder(target_path, floats)
     runs: dict[str, list[dict]] = {name: [] for name in models}
     for _ in range(rounds):
         for name, model in models.items():
@@ -249,10 +251,11 @@ def plain_decoding(jk, new_tokens: int, rounds: int, llamacpp: bool, cache_dir: 
 
 
 def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int, repeats: int,
-                   new_tokens: int, rounds: int, compare_kernels: bool = False, llamacpp: bool = False) -> dict:
+                   new_tokens: int, rounds: int, compare_kernels: bool = False, llamacpp: bool = False,
+                   runtime: Runtime | None = None) -> dict:
     from ..api import load
 
-    jk = load(target_path, cache_dir=cache_dir)
+    jk = load(target_path, cache_dir=cache_dir, runtime=runtime)
     nbytes = weight_bytes(jk.target)
     floor = memory_floor_ms(nbytes, repeats)
     cached = kv_bytes(jk.target, context)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import JakiroError
 from ..methods import METHODS
-from ..models import quant
+from ..settings import Runtime
 from ..data.questions import read_questions
+from .config import BenchConfig  # noqa: F401 (imported from here too)
 from .summary import markdown_table, plot_summary, summarize  # noqa: F401 (markdown_table: imported from here too)
 
 HF_METHODS = ("hf", "hf-pld")
@@ -22,35 +22,11 @@ LLAMACPP_METHODS = ("llamacpp", "llamacpp-pld", "llamacpp-draft", "llamacpp-eagl
 # benchmark names for a method with options: Jakiro's blended candidates, drafts on their fixed tree
 VARIANTS = {"jakiro-blended": ("jakiro", {"candidate_mode": "blended"}),
             "eagle2-fixed": ("eagle2", {"adaptive": False}), "jakiro-fixed": ("jakiro", {"adaptive": False}),
-            # Jakiro whose last draft step is a real one, not the contrastive branch's
+            # Jakiro whose last draft step is a real one, not the contrastive branch's (the paper's ablation)
             "jakiro-serial": ("jakiro", {"parallel_decoding": False}),
-            # drafts scoring only their own vocabulary (not also the prompt's tokens)
-            "eagle2-draftvocab": ("eagle2", {"prompt_vocab": False}), "jakiro-draftvocab": ("jakiro", {"prompt_vocab": False}),
             # the static tree of --static-tree
             "eagle2-static": ("eagle2", {"tree": None}), "jakiro-static": ("jakiro", {"tree": None})}
 KNOWN = METHODS + tuple(VARIANTS) + HF_METHODS + LLAMACPP_METHODS
-
-
-@dataclass
-class BenchConfig:
-    questions: str
-    methods: list[str]
-    drafts: dict[str, str] = field(default_factory=dict)
-    temperature: float = 0.0
-    max_new_tokens: int = 256
-    limit_per_category: int | None = None
-    out: str = "bench_out"
-    target: str | None = None
-    cache_dir: str | None = None
-    depth: int | None = None
-    tree_top_k: int | None = None
-    total_tokens: int | None = None
-    seed: int = 0
-    warmup: int = 1
-    static_tree: str = "static:cpu"  # the tree of the -static methods
-    repeats: int = 1  # answers per method and turn, interleaved; the fastest is kept (the same tokens each time)
-    draft_model: str | None = None  # the small model of the draft-model methods (default: the target's own)
-    int8_activations: bool = False  # the loaded target's input mode (``run_bench`` sets it)
 
 
 def select_questions(questions: list[dict], limit: int | None) -> list[dict]:
@@ -88,7 +64,7 @@ class _HFRunner:
         return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+def run_bench(cfg: BenchConfig, progress: bool = True, runtime: Runtime | None = None) -> dict:
     """Answer every selected question with every method (resuming an interrupted run in
     ``cfg.out``), then write the answers, summary.json, summary.md and the plots."""
     from ..api import load
@@ -101,8 +77,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
     if "ar" not in cfg.methods:
         cfg.methods = ["ar"] + list(cfg.methods)  # the speedup baseline
     questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)
-    jk = load(cfg.target, cache_dir=cfg.cache_dir)
+    jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime)
     cfg.int8_activations = jk.target.int8_activations
+    cfg.quantized_weights = jk.target.quantized_matrices > 0
     os.makedirs(cfg.out, exist_ok=True)
     records, done = _resume(cfg, questions)
     answerer = _Answerer(cfg, jk)
@@ -121,9 +98,8 @@ class _Answerer:
     for the hf methods); ``answerer(method, messages, seed)`` -> one answer record."""
 
     def __init__(self, cfg: BenchConfig, jk):
-        from ..api import tree_budget
         self.cfg, self.jk = cfg, jk
-        budget = tree_budget(cfg.depth, cfg.tree_top_k, cfg.total_tokens)  # None: tuned or default tree
+        tree = dict(depth=cfg.depth, tree_top_k=cfg.tree_top_k, total_tokens=cfg.total_tokens)  # None: tuned/default
         self.engines = {}
         for m in cfg.methods:
             if m in HF_METHODS or m in LLAMACPP_METHODS:
@@ -133,8 +109,8 @@ class _Answerer:
                 options = dict(options, tree=cfg.static_tree)
             draft = cfg.drafts.get(m) or cfg.drafts.get(method.removesuffix("+pld"))
             # the tree options are the drafts' (the baselines run beside them as they are)
-            self.engines[m] = jk.add_method(method, draft, budget if method not in ("ar", "pld") else None,
-                                            cache_dir=cfg.cache_dir, draft_model=cfg.draft_model, **options)
+            self.engines[m] = jk.add_method(method, draft=draft, draft_model=cfg.draft_model,
+                                            **(tree if method not in ("ar", "pld") else {}), **options)
         self.hf = _HFRunner(jk.target_path) if any(m in HF_METHODS for m in cfg.methods) else None
         self.llama = {}
         for m in cfg.methods:
@@ -307,9 +283,10 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
     """Answers already in ``cfg.out`` from an interrupted run with the same settings are kept (one
     line per finished question in progress.jsonl); a folder holding another run is refused. The
     number of questions per category may change: a run can be extended to more questions later."""
-    settings = {k: v for k, v in cfg.__dict__.items() if k not in ("out", "limit_per_category", "int8_activations")}
+    settings = {k: v for k, v in cfg.__dict__.items()
+                if k not in ("out", "limit_per_category", "int8_activations", "quantized_weights")}
     settings["threads"] = torch.get_num_threads()
-    if quant.enabled():  # (absent otherwise, as in runs recorded before the option existed)
+    if cfg.quantized_weights:  # (absent otherwise, as in runs recorded before the option existed)
         settings["quantized_weights"] = True
     if cfg.int8_activations:  # likewise
         settings["int8_activations"] = True

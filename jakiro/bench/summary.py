@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..models import quant
 
 if TYPE_CHECKING:
     from .runner import BenchConfig
@@ -61,8 +60,9 @@ def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
     ar_ids = _turn_ids(records["ar"])
     # llama.cpp's speculation is also held against its own plain text
     llama_ids = _turn_ids(records["llamacpp"]) if "llamacpp" in records else None
-    result = {"config": {k: v for k, v in cfg.__dict__.items() if k != "int8_activations"}, "threads": torch.get_num_threads(),
-              "quantized_weights": quant.enabled(), "int8_activations": cfg.int8_activations, "methods": {}}
+    result = {"config": {k: v for k, v in cfg.__dict__.items() if k not in ("int8_activations", "quantized_weights")},
+              "threads": torch.get_num_threads(), "quantized_weights": cfg.quantized_weights,
+              "int8_activations": cfg.int8_activations, "methods": {}}
     for m, rows in records.items():
         per_cat = {}
         for cat in categories + ["all"]:

@@ -11,6 +11,7 @@ import time
 import torch
 
 from ..draft.tuning import tuning_path
+from ..settings import Runtime
 
 CHAINS = [(d, 1, d) for d in (2, 3, 4, 5)]
 TREES = [(d, k, n) for d in (3, 4, 5) for k in (2, 4) for n in (6, 10, 16)]
@@ -32,7 +33,8 @@ def _measure(engine, prompts: list[list[int]], max_new_tokens: int) -> tuple[flo
 
 
 def run_tune(draft: str, target: str | None = None, cache: str | None = None,
-             max_new_tokens: int = 48, prompts: list[str] | None = None, progress: bool = True) -> dict:
+             max_new_tokens: int = 48, prompts: list[str] | None = None, progress: bool = True,
+             runtime: Runtime | None = None) -> dict:
     """Successive halving over the tree grid: every tree on one short prompt, the best
     ``SURVIVORS`` on every calibration prompt, three reduced draft vocabularies on the best (an
     eighth, a quarter and half of it: the prompt's own tokens join any of them), and
@@ -45,7 +47,7 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     from ..draft.checkpoint import draft_method
 
     method = draft_method(draft)
-    jk = load(target, draft, method, cache_dir=cache, depth=4, top_k=4, total_tokens=8)  # untuned
+    jk = load(target, draft, method, runtime=runtime, cache_dir=cache, depth=4, tree_top_k=4, total_tokens=8)  # untuned
     base = jk.engine(method)
     prompts_ids = [base.encode(p) for p in (prompts or CALIBRATION)]
     model = base.proposer.draft

@@ -55,9 +55,8 @@ DEPTH_PRIOR_FLOOR = 1.5  # of which this many stay; the rest fade with FORGET li
 # whole, the prior kept a weak draft's estimate far above what it got)
 FORGET = 0.9  # each drafted cycle's outcome weighs this much less per later one: a draft that did
 # well on an answer's opening words and not on the rest (a translation) is dropped within ~10 cycles
-IDLE_FORGET = 0.9  # ... and per plain step: what a drafted cycle showed goes stale with the tokens
-# committed since, so the estimate drifts back toward the prior while the draft is idle and drafting
-# resumes on its own (fading only with drafted cycles, an answer's unsure opening words kept a good
+IDLE_FORGET = 0.9  # ... and per plain step: the estimate drifts back toward the prior while the
+# draft is idle, so drafting resumes on its own (else an answer's unsure opening words kept a good
 # draft idle for the rest of a short answer)
 PRIOR_SHRINK = 0.8  # prior: a node is accepted with 0.8 x its draft probability
 PRIOR_DEPTH = 0.6  # prior: P(path gets past level i | it reached i - 1) = 0.6 (optimistic, so drafting is tried)
@@ -76,8 +75,6 @@ class AdaptiveProposer(Proposer):
     of the chain as pays. ``adaptive=False`` keeps the draft's fixed tree (plus the lookup branch)."""
 
     needs_features = True
-    probe_share = PROBE_SHARE
-    idle_forget = IDLE_FORGET
 
     def __init__(self, inner: DraftProposer | None, target, costs: CostTable | None = None,
                  lookup: PromptLookupProposer | None = None, adaptive: bool = True,
@@ -295,9 +292,7 @@ class AdaptiveProposer(Proposer):
         self.context_length = len(context)
         depth = self.choose_depth(len(chain))
         if depth == 0:
-            self.idle += 1
-            self.tried = [t * self.idle_forget for t in self.tried]
-            self.reached = [r * self.idle_forget for r in self.reached]
+            self._fade_idle()
             self.plain_ms += self.costs.cycle(1 + len(chain), self.context_length)
             plain = self.prune(add_chain(chain_tree(context[-1], []), chain)) if chain else chain_tree(context[-1], [])
             if self.idle >= self.wait and self.inner and self._probe_affordable(plain.size):
@@ -348,16 +343,21 @@ class AdaptiveProposer(Proposer):
         probe.proposals = kept_proposals(level, [0, best])
         return add_chain(probe, plain.tokens[1:].tolist()) if plain.size > 1 else probe
 
+    def _fade_idle(self) -> None:
+        """A plain step: what drafted cycles showed goes stale (``IDLE_FORGET``)."""
+        self.idle += 1
+        self.tried = [t * IDLE_FORGET for t in self.tried]
+        self.reached = [r * IDLE_FORGET for r in self.reached]
+
     def _probe_affordable(self, plain_tokens: int) -> bool:
         """Whether a probe (one draft level after catching up on what is pending, and one more
         token in the forward of a step that verifies ``plain_tokens``) keeps the request's probes
-        within ``PROBE_SHARE`` of its plain steps; if so, it is counted. (The extra token is not
-        free: on a CPU without matrix tiles it costs 0.2-0.3 of a one-token forward, about as
-        much as the draft level.)"""
+        within ``PROBE_SHARE`` of its plain steps; if so, it is counted (the extra token is not
+        free: without matrix tiles about as much as the draft level)."""
         n_ctx = self.context_length
         cost = (self.costs.draft(1, n_ctx, self.inner.pending_rows)
                 + self.costs.target(plain_tokens + 1, n_ctx) - self.costs.target(plain_tokens, n_ctx))
-        if self.probe_ms + cost > self.probe_share * self.plain_ms:
+        if self.probe_ms + cost > PROBE_SHARE * self.plain_ms:
             return False
         self.probe_ms += cost
         return True

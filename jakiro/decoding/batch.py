@@ -67,7 +67,7 @@ class BatchDecoder:
         """The KV cache's size: every slot's room, allocated once."""
         return self.cache.data.numel() * self.cache.data.element_size()
 
-    def add(self, ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+    def add(self, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
             stop: StopRule | None = None) -> Sequence:
         """Start a request in a free slot; it takes its first step with the next ``step``."""
         if not self._free:

@@ -261,7 +261,7 @@ class Decoder:
             raise JakiroError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
                               f"exceeds the model's context length ({ctx})")
 
-    def decode(self, ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+    def decode(self, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                stop: StopRule | None = None) -> Decoded:
         run = self.run(ids, max_new_tokens, sampling, stop)
         while True:
@@ -271,7 +271,7 @@ class Decoder:
                 return done.value
 
     @torch.inference_mode()
-    def run(self, ids: list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+    def run(self, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
             stop: StopRule | None = None) -> Iterator[list[int]]:
         """Yield the token ids each cycle commits (after ``stop`` has cut them); the generator's
         return value is the ``Decoded`` answer."""

@@ -56,7 +56,6 @@ class DraftProposer(RequestHead, Proposer):
     decoding the last tree layer comes from the contrastive branch of the previous forward."""
 
     needs_features = True
-    draw_chains = True  # sampled requests draw chains from the draft's distribution (``set_sampling``)
 
     def __init__(self, draft, budget: TreeBudget, candidate_mode: str | None = None,
                  parallel_decoding: bool | None = None, static=None, head_vocab: int | None = None,
@@ -114,9 +113,8 @@ class DraftProposer(RequestHead, Proposer):
         top-p), and each node carries that distribution (``Tree.proposals``): verification then
         accepts a token with min(1, p / q) instead of p, which for a draft whose distribution is
         close to the target's is far more often (development prompts, T = 1: 0.49 against 0.31
-        for its most likely token at depth 1). Trees (top_k > 1) stay deterministic, and so do
-        chains while ``draw_chains`` is off (for comparisons)."""
-        drawn = self.draw_chains and params is not None and not params.greedy
+        for its most likely token at depth 1). Trees (top_k > 1) stay deterministic."""
+        drawn = params is not None and not params.greedy
         self._sampling = (params, generator or params.generator()) if drawn else None
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:

@@ -7,11 +7,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from ..errors import JakiroError
+from ..settings import DecodeSettings
 from .batch import BatchDecoder
 from .decoder import Decoded, Decoder, Metrics  # noqa: F401 (Metrics: imported from here too)
 from .proposers import Proposer
 from .sampling import SamplingParams
 from .text import TextTracker, render_prompt
+
+
+DEFAULT_MAX_NEW_TOKENS = DecodeSettings.max_new_tokens  # (a plain default: the dataclass's class attribute)
 
 
 @dataclass
@@ -44,7 +48,7 @@ class Engine:
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         self.decoder.check_length(prompt_len, max_new_tokens)
 
-    def generate(self, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+    def generate(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sampling: SamplingParams | None = None,
                  stop: list[str] | None = None, chat: bool = True,
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
         stream = self.stream(prompt, max_new_tokens, sampling, stop, chat)
@@ -56,7 +60,7 @@ class Engine:
             if on_text is not None and delta:
                 on_text(delta)
 
-    def stream(self, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+    def stream(self, prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sampling: SamplingParams | None = None,
                stop: list[str] | None = None, chat: bool = True) -> Iterator[str]:
         """Yield text as it is committed; the generator's return value is the GenerationResult."""
         ids = self.encode(prompt, chat)
@@ -84,7 +88,7 @@ class Engine:
         """A continuous-batching decoder over this engine's target and proposer (``batch``)."""
         return BatchDecoder(self.decoder, slots, slot_tokens)
 
-    def generate_batch(self, prompts: list, max_new_tokens: int = 128, sampling=None,
+    def generate_batch(self, prompts: list, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, sampling=None,
                        stop: list[str] | None = None, chat: bool = True, parallel: int | None = None,
                        slot_tokens: int | None = None) -> list[GenerationResult]:
         """Every prompt's answer, ``parallel`` requests decoded together (default: all of them);

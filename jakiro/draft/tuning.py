@@ -24,22 +24,19 @@ def weights_digest(draft: str) -> str:
     return h.hexdigest()[:16]
 
 
-def tuning_path(draft: str, cache: str | None = None, threads: int | None = None,
-                quantized: bool | None = None, int8_activations: bool | None = None) -> str:
-    """``quantized``: whether the target streams quantized weights (default: on unless ``JAKIRO_QUANTIZED=0``);
-    ``int8_activations``: whether they take int8 inputs (default: ``JAKIRO_INT8_ACTIVATIONS``)."""
-    from ..models import quant, smallgemm
+def tuning_path(draft: str, cache: str | None = None, threads: int | None = None, *,
+                quantized: bool, int8_activations: bool) -> str:
+    """The record of ``draft`` tuned on this machine for a target that streams quantized weights
+    (``quantized``) taking int8 inputs (``int8_activations``), or not."""
+    from ..models import smallgemm
     threads = threads or torch.get_num_threads()
-    quantized = quant.enabled() if quantized is None else quantized
     kernels = "-amx" if smallgemm.tiles_enabled() else "-int8" if smallgemm.int8_enabled() else ""
-    int8_activations = quant.int8_activations() if int8_activations is None else int8_activations
     kind = f"quantized{kernels}{'-int8act' if int8_activations else ''}" if quantized else "smallgemm"
     kernel = f"{kind}-{smallgemm.build_id()}" if smallgemm.available() else "torch"
     return os.path.join(cache_dir(cache), "tuning", f"{weights_digest(draft)}-{threads}threads-{kernel}.json")
 
 
-def load_tuning(draft: str, cache: str | None = None, quantized: bool | None = None,
-                int8_activations: bool | None = None) -> dict | None:
+def load_tuning(draft: str, cache: str | None = None, *, quantized: bool, int8_activations: bool) -> dict | None:
     """The saved record for this draft at the current thread count (with ``path`` added), if any."""
     if draft is None or not os.path.exists(os.path.join(draft, "model.safetensors")):
         return None

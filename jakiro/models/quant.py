@@ -5,11 +5,11 @@ matrix laid out once for the kernels (``lay_out``): Q4_1 and Q8_0 as blocks of 3
 w = d * q + m with d and m in float32 (``pack_blocks``; the AMX and int8 kernels lay them out
 further), the other block types (Q4_0, Q5_0, Q5_1, Q2_K..Q6_K) in ``csrc/kquants.cpp``'s layout.
 Every kernel dequantizes in registers to the very values of GGUF's reference dequantization, so
-only the order of the additions differs from a float32 model (``--float32`` runs such a copy;
-also ``JAKIRO_QUANTIZED=0``).
+only the order of the additions differs from a float32 model (``--float32``,
+``Runtime(quantized=False)``, runs such a copy).
 
-Int8 activations (the default where the CPU has AVX-512 VNNI or AMX; ``--float32-inputs`` or
-``JAKIRO_INT8_ACTIVATIONS=0`` turn them off, ``--int8-activations`` asks for them): the kernels
+Int8 activations (the default where the CPU has AVX-512 VNNI or AMX; ``--float32-inputs``,
+``Runtime(int8_activations=False)``, turns them off): the kernels
 take each input row as one byte per block of 32 values, as llama.cpp's Q8
 activations, and multiply bytes by bytes (``csrc/int8.cpp`` and ``csrc/kquants.cpp`` with
 AVX-512 VNNI, ``csrc/amx.cpp`` with AMX tiles): plain decoding and every tree forward cost less,
@@ -20,7 +20,6 @@ float32 weights' token for token.
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -28,26 +27,11 @@ import torch
 KERNEL_OF = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF types the float32 / AMX / int8 kernels take as blocks
 
 
-def enabled() -> bool:
-    """Whether targets converted from GGUF files stream their blocks (the default)."""
-    return os.environ.get("JAKIRO_QUANTIZED", "1") not in ("", "0")
-
-
-def int8_activations_setting() -> bool | None:
-    """``JAKIRO_INT8_ACTIVATIONS``: 1 (``--int8-activations``) int8 inputs, 0 (``--float32-inputs``)
-    float32-accurate ones; unset or ``auto``: None, the default (``int8_activations``)."""
-    value = os.environ.get("JAKIRO_INT8_ACTIVATIONS", "auto").strip().lower()
-    return None if value in ("", "auto") else value not in ("0", "false", "no", "off")
-
-
-def int8_activations() -> bool:
-    """Whether a GGUF target takes its inputs as int8 blocks: as set, else (the default) wherever
-    the CPU has the kernels for it (AVX-512 VNNI or AMX), as llama.cpp computes these files:
-    measured on two cores, a 1.5B target's one-token forward 0.69 x the float32-accurate one's and
-    a tree of 8 tokens 1.4 x one token instead of 4 x."""
-    setting = int8_activations_setting()
-    if setting is not None:
-        return setting
+def int8_activations_default() -> bool:
+    """Whether a GGUF target takes its inputs as int8 blocks when its ``Runtime`` leaves it open:
+    wherever the CPU has the kernels for it (AVX-512 VNNI or AMX), as llama.cpp computes these
+    files (on two cores a 1.5B target's one-token forward 0.69 x the float32-accurate one's, a
+    tree of 8 tokens 1.4 x one token instead of 4 x)."""
     from . import smallgemm
     return smallgemm.available() and smallgemm.int8_activations_usable()
 

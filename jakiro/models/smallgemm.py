@@ -192,19 +192,6 @@ def gguf_rows(src: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.ops.jakiro_smallgemm.gguf_rows(src, ids)
 
 
-@contextlib.contextmanager
-def row_groups_disabled():
-    """Inside, the rows of a tree or prompt piece attend one by one, each reading the cached keys
-    and values itself, instead of in groups of up to four that read them once (for side-by-side
-    measurements: the results are bitwise the same)."""
-    available()
-    torch.ops.jakiro_smallgemm.set_row_groups(False)
-    try:
-        yield
-    finally:
-        torch.ops.jakiro_smallgemm.set_row_groups(True)
-
-
 def tile_layout(blocks: torch.Tensor) -> torch.Tensor:
     """GGUF blocks [out, in / 32, bytes] in the AMX kernel's layout where that kernel or the int8
     (AVX-512 VNNI) one runs here (out a multiple of 16), else unchanged. Both take the inputs as

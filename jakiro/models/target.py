@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import JakiroError
+from ..settings import Runtime
 from .kv_cache import BatchKVCache, KVCache
 from . import smallgemm
 from .linear import SMALL_ROWS
@@ -57,6 +58,7 @@ class TargetModel(TorchStack):
         self.dtype = dtype
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.gguf = gguf
+        self.runtime = Runtime(quantized=gguf is not None, int8_activations=input_bytes == 1)  # ``from_folder``'s
         self.blocks_only = gguf is not None  # no float32 weights: every forward runs the kernels
         # q, k, v, o, gate, up and down of each layer and the head
         self.quantized_matrices = 7 * len(layers) + 1 if self.blocks_only else 0
@@ -125,16 +127,16 @@ class TargetModel(TorchStack):
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_folder(cls, folder: str, dtype: torch.dtype = torch.float32,
-                    quantized: bool | None = None, int8_activations: bool | None = None) -> "TargetModel":
-        """A Hugging Face folder (float weights), or a GGUF file's folder (``hub.resolve_target``):
-        its blocks are streamed as the file holds them unless ``quantized=False`` (default: on
-        unless ``JAKIRO_QUANTIZED=0``), which runs a float32 copy; ``int8_activations``: the blocks
-        take their inputs as int8 (True; needs a CPU with AVX-512 VNNI or AMX) or float32-accurate
-        (False); default: ``JAKIRO_INT8_ACTIVATIONS``, else int8 where the CPU can
-        (``models.quant.int8_activations``)."""
+    def from_folder(cls, folder: str, runtime: Runtime | None = None,
+                    dtype: torch.dtype = torch.float32) -> "TargetModel":
+        """A Hugging Face folder (float weights), or a GGUF file's folder (``hub.resolve_target``)
+        as ``runtime`` (default: ``Runtime.from_env()``) asks: its blocks streamed as the file
+        holds them unless ``runtime.quantized`` is False (then a float32 copy runs), taking int8
+        inputs (True; needs a CPU with AVX-512 VNNI or AMX) or float32-accurate ones (False);
+        unset: int8 where the CPU can. ``self.runtime`` says what was chosen."""
         from . import gguf_file, quant
         from .hub import _log
+        runtime = runtime or Runtime.from_env()
         if not os.path.isdir(folder):
             raise JakiroError(f"model folder not found: {folder}")
         if not os.path.exists(os.path.join(folder, "config.json")):
@@ -147,12 +149,12 @@ class TargetModel(TorchStack):
         cfg = TargetConfig.from_hf(hf_config)  # fail on the architecture before reading weights
         name = os.path.basename(os.path.normpath(folder))
         is_gguf = gguf_file.is_gguf_folder(folder)
-        stream_blocks = is_gguf and (quant.enabled() if quantized is None else quantized) and dtype == torch.float32
+        stream_blocks = is_gguf and runtime.quantized and dtype == torch.float32
         if is_gguf and stream_blocks and not smallgemm.available():
             _log("without the small-batch kernel a GGUF file's blocks cannot be streamed: running a float32 copy")
             stream_blocks = False
-        setting = quant.int8_activations_setting() if int8_activations is None else int8_activations
-        int8 = setting if setting is not None else stream_blocks and quant.int8_activations()
+        setting = runtime.int8_activations
+        int8 = setting if setting is not None else stream_blocks and quant.int8_activations_default()
         if int8 and not stream_blocks:
             raise JakiroError("int8 activations need a target from a GGUF file, streamed as its blocks "
                               f"({folder} has none here{'' if not is_gguf else ', or a float32 copy is run'})")
@@ -162,11 +164,14 @@ class TargetModel(TorchStack):
         input_bytes = 1 if int8 else 3
         if not stream_blocks:
             state = load_state_dict(folder)
-            return cls(hf_config, *state_layers(cfg, state, dtype), name=name, dtype=dtype)
-        weights = gguf_file.GGUFWeights(folder)
-        factors = weights.raw("rope_freqs.weight", copy=True) if "rope_freqs.weight" in weights else None
-        return cls(hf_config, *gguf_layers(cfg, weights, input_bytes), name=name, input_bytes=input_bytes,
-                   gguf=weights, rope_factors=factors)
+            model = cls(hf_config, *state_layers(cfg, state, dtype), name=name, dtype=dtype)
+        else:
+            weights = gguf_file.GGUFWeights(folder)
+            factors = weights.raw("rope_freqs.weight", copy=True) if "rope_freqs.weight" in weights else None
+            model = cls(hf_config, *gguf_layers(cfg, weights, input_bytes), name=name, input_bytes=input_bytes,
+                        gguf=weights, rope_factors=factors)
+        model.runtime = runtime.but(quantized=stream_blocks, int8_activations=int8)
+        return model
 
     def new_cache(self, max_len: int, scratch: int = 0) -> KVCache:
         """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the

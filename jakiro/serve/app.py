@@ -20,12 +20,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..api import Jakiro, load_tokenizer
 from ..decoding.text import render_prompt
 from ..errors import JakiroError
+from ..settings import ServeSettings, settings_with
 from . import protocol as P
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .scheduler import Job, QueueFull, Scheduler
 
 DISCONNECT_POLL_S = 0.25
-MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits the context; 413 beyond it
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -54,13 +54,11 @@ class _Service:
     """What the routes share: the engine and its scheduler, the prompt tokenizer, the metrics and
     the server's limits. Each route is one method; ``create_app`` wires them to FastAPI."""
 
-    def __init__(self, jk: Jakiro, method: str | None, model_name: str | None, max_queue: int,
-                 default_max_tokens: int, api_key: str | None, max_body_bytes: int,
-                 allowed_hosts: list[str] | None, parallel: int = 1, slot_tokens: int | None = None):
+    def __init__(self, jk: Jakiro, method: str | None, s: ServeSettings):
         self.jk, self.engine = jk, jk.engine(method)
-        self.name = model_name or served_name(jk.target_path)
-        self.default_max_tokens, self.api_key = default_max_tokens, api_key
-        self.max_body_bytes, self.allowed_hosts = max_body_bytes, allowed_hosts
+        self.name = s.model_name or served_name(jk.target_path)
+        self.default_max_tokens, self.api_key = s.default_max_tokens, s.api_key
+        self.max_body_bytes, self.allowed_hosts = s.max_body_bytes, s.allowed_hosts
         # the HTTP side renders prompts with its own tokenizer, on its own thread (off the event
         # loop, never concurrently with itself): the engine thread uses the other one
         self.tokenizer = load_tokenizer(jk.target_path)
@@ -68,9 +66,9 @@ class _Service:
         self.template_has_tools = isinstance(template, str) and "tool_calls" in template
         self.cpu = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jakiro-encode")
         self.metrics = ServerMetrics(self.engine.proposer.max_tree_depth)
-        self.scheduler = Scheduler(self.engine, max_queue, on_done=self.metrics.record,
-                                   on_cancel=self.metrics.cancelled.inc, parallel=parallel,
-                                   slot_tokens=slot_tokens, observer=self.metrics)
+        self.scheduler = Scheduler(self.engine, s.max_queue, on_done=self.metrics.record,
+                                   on_cancel=self.metrics.cancelled.inc, parallel=s.parallel,
+                                   slot_tokens=s.slot_tokens, observer=self.metrics)
         self.metrics.track_queue(self.scheduler)
         self.created = P.now()
 
@@ -258,17 +256,18 @@ async def _next_event(job: Job, request: Request):
                 raise _ClientGone() from None
 
 
-def create_app(jk: Jakiro, method: str | None = None, model_name: str | None = None,
-               max_queue: int = 16, default_max_tokens: int = 256, api_key: str | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, allowed_hosts: list[str] | None = None,
-               docs: bool = False, parallel: int = 1, slot_tokens: int | None = None) -> FastAPI:
-    """The app. ``api_key``: required as ``Authorization: Bearer KEY`` on /v1 routes.
-    ``allowed_hosts``: Host header names accepted (None: any), against DNS rebinding.
-    ``docs``: serve the interactive API docs (/docs, /redoc, /openapi.json). ``parallel``:
-    requests decoded together (continuous batching), each with room for ``slot_tokens`` tokens
-    of prompt and answer (default: the model's context, at most 4,096)."""
-    svc = _Service(jk, method, model_name, max_queue, default_max_tokens, api_key, max_body_bytes, allowed_hosts,
-                   parallel, slot_tokens)
+def create_app(jk: Jakiro, method: str | None = None, settings: ServeSettings | None = None,
+               **options) -> FastAPI:
+    """The app serving ``method`` (default: the loaded one) as ``settings`` (``ServeSettings``)
+    and ``options`` (its fields, changed) say. ``api_key``: required as ``Authorization: Bearer
+    KEY`` on /v1 routes. ``allowed_hosts``: Host header names accepted (None: any), against DNS
+    rebinding. ``docs``: serve the interactive API docs (/docs, /redoc, /openapi.json).
+    ``parallel``: requests decoded together (continuous batching), each with room for
+    ``slot_tokens`` tokens of prompt and answer (default: the model's context, at most 4,096).
+    ``host``, ``port``, ``log_level``, ``header_timeout`` and ``max_connections`` are ``serve``'s."""
+    s = settings_with(settings or ServeSettings(), options)
+    svc = _Service(jk, method, s)
+    docs = s.docs
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -354,25 +353,26 @@ def default_allowed_hosts(host: str) -> list[str] | None:
     return list(LOOPBACK_HOSTS) if host in LOOPBACK_HOSTS else None
 
 
-def serve(jk: Jakiro, host: str = "127.0.0.1", port: int = 8000, method: str | None = None,
-          model_name: str | None = None, max_queue: int = 16, default_max_tokens: int = 256,
-          log_level: str = "info", api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-          allowed_hosts: list[str] | None = None, docs: bool = False,
-          header_timeout: float | None = None, max_connections: int | None = None, parallel: int = 1,
-          slot_tokens: int | None = None) -> None:
+def serve(jk: Jakiro, settings: ServeSettings | None = None, method: str | None = None, **options) -> None:
+    """Serve ``method`` (default: the loaded one) until interrupted, as ``settings`` and
+    ``options`` (``ServeSettings`` fields) say; on a loopback ``host`` without ``allowed_hosts``
+    only loopback Host names are answered."""
     import uvicorn
 
-    from .transport import HEADER_TIMEOUT_S, MAX_CONNECTIONS, server_config
-    app = create_app(jk, method, model_name, max_queue, default_max_tokens, api_key, max_body_bytes,
-                     allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host), docs,
-                     parallel, slot_tokens)
+    from .transport import server_config
+    s = settings_with(settings or ServeSettings(), options)
+    if s.allowed_hosts is None:
+        hosts = default_allowed_hosts(s.host)
+        s = settings_with(s, {"allowed_hosts": tuple(hosts) if hosts else None})
+    host, port = s.host, s.port
+    app = create_app(jk, method, s)
     jk.engine(method).generate("Hello", 4)  # warm-up, so that the first client is not the slow one
     batch = app.state.scheduler.batch
     if batch is not None:
         print(f"[jakiro] --parallel {batch.slots}: {batch.slots} slots of {batch.slot_tokens} tokens, KV cache "
               f"{batch.kv_bytes / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-    config = server_config(app, host, port, log_level, header_timeout or HEADER_TIMEOUT_S,
-                           max_connections or MAX_CONNECTIONS, timeout_graceful_shutdown=5)
+    config = server_config(app, host, port, s.log_level, s.header_timeout, s.max_connections,
+                           timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     try:
         server.run()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-HEADER_TIMEOUT_S = 10.0
+from ..settings import ServeSettings
+
 KEEP_ALIVE_S = 5
-MAX_CONNECTIONS = 64
 
 
 def _awaiting_request(proto: H11Protocol) -> bool:
@@ -20,7 +20,7 @@ class HeaderTimeoutH11(H11Protocol):
     """Closes a connection that has not sent a whole request head ``header_timeout`` seconds
     after it opened (or after it started sending the next request on a kept-alive connection)."""
 
-    header_timeout = HEADER_TIMEOUT_S
+    header_timeout = ServeSettings.header_timeout
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -49,7 +49,8 @@ class HeaderTimeoutH11(H11Protocol):
 
 
 def server_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-                  header_timeout: float = HEADER_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                  header_timeout: float = ServeSettings.header_timeout,
+                  max_connections: int = ServeSettings.max_connections,
                   **kwargs) -> uvicorn.Config:
     protocol = type("JakiroH11", (HeaderTimeoutH11,), {"header_timeout": header_timeout})
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,

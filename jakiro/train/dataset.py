@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ..settings import Runtime
 from ..data.decontaminate import evaluation_filter
 from ..errors import JakiroError
 from ..models.target import half_features
@@ -57,16 +58,18 @@ def _read_state(folder: str) -> dict | None:
         return json.load(f)
 
 
-def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progress: bool = True) -> dict:
-    """Build (or continue building) the dataset in ``out``; returns the state dict."""
+def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progress: bool = True,
+                  runtime: Runtime | None = None) -> dict:
+    """Build (or continue building) the dataset in ``out`` with the target computed as ``runtime``
+    says (default ``Runtime.from_env()``); returns the state dict."""
     from ..api import load
 
     cfg.check()
     device = cfg.torch_device()
-    from ..models.quant import int8_activations_setting
-    # a device's decoder stack is float32: int8 inputs only where asked for (then refused below)
-    float32 = _uses_device_stack(device) and int8_activations_setting() is None
-    jk = load(cfg.target, cache_dir=cache_dir, int8_activations=False if float32 else None)
+    runtime = runtime or Runtime.from_env()
+    if _uses_device_stack(device) and runtime.int8_activations is None:
+        runtime = runtime.but(int8_activations=False)  # a device's decoder stack is float32
+    jk = load(cfg.target, cache_dir=cache_dir, runtime=runtime)
     if getattr(jk.target, "int8_activations", False) and _uses_device_stack(device):
         raise JakiroError(f"--int8-activations is the CPU kernels' computation; --device {device} runs the "
                           f"float32 decoder stack: drop one of them")

@@ -4,12 +4,13 @@ different runs, or a draft against the one it was continued from, compare on the
 
 from __future__ import annotations
 
+from ..settings import Runtime
 from .batches import heldout_batches, heldout_split, heldout_tau
 
 
 def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cache_dir: str | None = None,
                     prompts: int = 8, tokens: int = 48, eval_records: int = 32, steps: int = 4,
-                    seq_len: int = 512, all_records: bool = False) -> list[dict]:
+                    seq_len: int = 512, all_records: bool = False, runtime: Runtime | None = None) -> list[dict]:
     """Per draft: held-out top-1 per draft step (and Jakiro's contrastive branch and expert
     agreement) and greedy τ with the default tree, fixed, on the first user turns of ``prompts``
     held-out records, ``tokens`` new tokens each. ``all_records``: every record counts as held
@@ -31,7 +32,7 @@ def evaluate_drafts(data: str, drafts: list[str], target: str | None = None, cac
         raise JakiroError("--prompts must be >= 0 and --tokens >= 1")
     ds = FeatureDataset(data)
     path = resolve_target(target, cache_dir)
-    model = TargetModel.from_folder(path)
+    model = TargetModel.from_folder(path, runtime)
     ds.check_target(model)
     tokenizer = load_tokenizer(path)
     eval_idx = list(range(len(ds))) if all_records else heldout_split(ds.parts, eval_records)[1]

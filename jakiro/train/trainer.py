@@ -15,6 +15,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from ..settings import Runtime
 from ..draft import DraftConfig, DraftModel, load_draft, save_draft
 from ..errors import JakiroError
 from .batches import heldout_batches, heldout_split, heldout_tau, make_batch
@@ -75,13 +76,14 @@ def _upgrade_identity(previous: dict, current: dict) -> dict:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, target_path: str | None = None, cache_dir: str | None = None,
+                 runtime: Runtime | None = None,
                  resume: bool = False, device: str | None = None, progress: bool = True):
         self.cfg, self.progress = cfg, progress
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         _init_distributed(self.device)
         self.rank, self.world = _rank_world()
         cfg.check(self.world)
-        target = self._load_data_and_target(target_path, cache_dir)
+        target = self._load_data_and_target(target_path, cache_dir, runtime)
         self.ckpt_dir = os.path.join(cfg.out, "checkpoint")
         self._prepare_out(resume)
         self._build_model(target)
@@ -99,7 +101,7 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
             self.ddp = DistributedDataParallel(self.loss)
 
-    def _load_data_and_target(self, target_path: str | None, cache_dir: str | None):
+    def _load_data_and_target(self, target_path: str | None, cache_dir: str | None, runtime: Runtime | None):
         """The dataset, its train/held-out split, and the target it was built for (returned; its
         embedding and LM head are kept)."""
         from ..models.hub import resolve_target
@@ -109,7 +111,7 @@ class Trainer:
         if len(self.ds) < 2:
             raise JakiroError(f"dataset {cfg.data} has {len(self.ds)} record(s); need at least 2")
         self.target_dir = resolve_target(target_path, cache_dir)
-        target = TargetModel.from_folder(self.target_dir)
+        target = TargetModel.from_folder(self.target_dir, runtime)
         self.ds.check_target(target)
         self.target_name = target.config.name
         self.featurizer = self.ds.featurizer(self.target_dir, self.device)  # tokens-only data: per batch

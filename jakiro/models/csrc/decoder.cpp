@@ -539,10 +539,6 @@ struct AttentionWeights {
   const float* k_norm;
 };
 
-// whether rows sharing a cache attend in groups (attention_block); off only to measure the difference
-bool row_groups = true;
-void set_row_groups(bool on) { row_groups = on; }
-
 // one layer's keys and values: [Hkv][max_len][D] each, heads `head_stride` floats apart
 struct LayerCache {
   float* k;
@@ -599,7 +595,7 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
   // q: rows that share a cache read the keys and values they all visit once (attend_group);
   // independent sequences (batched decoding) go one row per task
   const int64_t work = n * H * s.keys * D, ld = g * s.keys;
-  const int64_t per = c.batch_stride == 0 && row_groups ? ROW_GROUP : 1, groups = (n + per - 1) / per;
+  const int64_t per = c.batch_stride == 0 ? ROW_GROUP : 1, groups = (n + per - 1) / per;
   auto attend_row = [&](int64_t r, int64_t j) {
     attend_any(s.qkv + r * NQKV + j * g * D, g, c.k_of(r) + j * c.head_stride, c.v_of(r) + j * c.head_stride,
                c.row_stride, vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + (r * Hkv + j) * ld);
@@ -1253,7 +1249,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_chain(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(jakiro_smallgemm, m) {
-  m.def("set_row_groups(bool on) -> ()", set_row_groups);
   m.def("decoder_layers(Tensor x, Tensor?[] weights, int[] out_features, Tensor kv, int past, Tensor cos, "
         "Tensor sin, Tensor? tree_mask, int num_heads, int num_kv_heads, float eps, float scale, "
         "int[] keep_after=[], int input_bytes=3) -> Tensor",
