@@ -111,7 +111,8 @@ class MethodSettings:
     """How a loaded target decodes: ``jakiro.load``'s and ``Jakiro.add_method``'s options, and the
     command line's method and tree options."""
     method: str | None = opt(None, "decoding method; +pld adds prompt-lookup branches to the draft's tree "
-                             "(default: the draft's method, else plain decoding)", choices=METHODS)
+                             "(default: the draft's method; without --draft, plain decoding, and for serve and "
+                             "chat jakiro where a draft ships for the target)", choices=METHODS)
     draft: str | None = opt(None, "draft checkpoint folder (default: the shipped draft for the method)")
     draft_model: str | None = opt(None, "method draft-model: the small model that drafts, a named model, .gguf "
                                   "file or folder sharing the target's tokenizer (default: the named target's "
