@@ -1,7 +1,8 @@
 """A small model of the target's family as the draft (``--method draft-model``): greedy output is
 exactly plain decoding's, with another model and with the target drafting for itself (every
-token accepted), with prompt lookup merged in; a draft model with another tokenizer, vocabulary or
-too short a context is refused in one line. (Sampling: test_sampling_lossless.py.)"""
+token accepted), with prompt lookup merged in, and from the last tokens of a long context; a
+draft model with another tokenizer or vocabulary is refused in one line. (Sampling:
+test_sampling_lossless.py.)"""
 
 from types import SimpleNamespace
 
@@ -75,14 +76,30 @@ def test_load_refuses_a_mismatched_or_missing_draft_model(tmp_path):
         jakiro.load(target=target, method="draft-model", cache_dir=str(tmp_path))
     with pytest.raises(JakiroError, match="--tree does not apply"):
         jakiro.load(target=target, method="draft-model", draft_model=target, tree="static:eagle1")
-    short = write_model(str(tmp_path / "short.gguf"), "qwen2", layers=1, context=64)
-    jk = jakiro.load(target=target, method="draft-model", draft_model=short, cache_dir=str(tmp_path))
-    with pytest.raises(JakiroError, match=r"the draft model's context \(64 tokens\) is shorter"):
-        jk.generate("hello there", max_new_tokens=80)
     res = jakiro.load(target=target, method="draft-model", draft_model=target, cache_dir=str(tmp_path)).generate(
         "hello there", max_new_tokens=16)
     plain = jakiro.load(target=target, cache_dir=str(tmp_path)).generate("hello there", max_new_tokens=16)
     assert res.token_ids == plain.token_ids and res.metrics.tau > 1.0
+    # a draft model with a shorter context than the request drafts from the context's last tokens
+    short = write_model(str(tmp_path / "short.gguf"), "qwen2", layers=1, context=64)
+    long_plain = jakiro.load(target=target, cache_dir=str(tmp_path)).generate("hello there", max_new_tokens=80)
+    long_res = jakiro.load(target=target, method="draft-model", draft_model=short, cache_dir=str(tmp_path)).generate(
+        "hello there", max_new_tokens=80)
+    assert long_res.token_ids == long_plain.token_ids and len(long_res.token_ids) == 80
+
+
+def test_a_long_prompt_is_read_from_its_last_tokens(tiny, other_model):
+    """With a window of 8 the draft model reads only a prompt's last 8 tokens before its first
+    proposal, and the answer is still plain decoding's."""
+    _, target, tok, prompts, reference = tiny
+    proposer = DraftModelProposer(other_model, num_tokens=4, min_prob=0.0, window=8)
+    proposer.start(len(prompts[0]) + 8)
+    tree = proposer.propose(prompts[0])
+    assert len(prompts[0]) > 8 and proposer._cache.length == 8 + tree.size - 2  # the window, the chain but its last
+    assert proposer._held[:8] == prompts[0][-8:]
+    engine = Engine(target, tok, proposer)
+    for prompt, ref in zip(prompts[:4], reference):
+        assert engine.generate(prompt, len(ref)).token_ids == ref
 
 
 def test_requests_decoded_together_get_their_answers_alone(tiny, other_model):
