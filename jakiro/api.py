@@ -148,7 +148,7 @@ class Jakiro:
         from .models.gguf_file import is_gguf_folder
         # a draft's proposals need not be exact: int8 inputs where the file and the CPU allow them
         int8 = is_gguf_folder(path) and smallgemm.available() and smallgemm.int8_activations_usable()
-        model = TargetModel.from_folder(path, self.target.runtime.but(int8_activations=int8))
+        model = TargetModel.from_folder(path, Runtime(quantized=True, int8_activations=int8))
         check_same_tokenizer(self.tokenizer, load_tokenizer(path), self.target.config.vocab_size,
                              model.config.vocab_size, os.path.basename(path))
         return DraftModelProposer(model, num_tokens=budget.depth if budget else 5, lookup=lookup)

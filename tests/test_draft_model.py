@@ -86,6 +86,14 @@ def test_load_refuses_a_mismatched_or_missing_draft_model(tmp_path):
     long_res = jakiro.load(target=target, method="draft-model", draft_model=short, cache_dir=str(tmp_path)).generate(
         "hello there", max_new_tokens=80)
     assert long_res.token_ids == long_plain.token_ids and len(long_res.token_ids) == 80
+    # a target run as a float32 copy (--float32) still gets a draft model streaming its blocks
+    from jakiro.settings import Runtime
+    copy = jakiro.load(target=target, method="draft-model", draft_model=target, cache_dir=str(tmp_path),
+                       runtime=Runtime(quantized=False))
+    assert copy.engine().proposer.model.blocks_only and not copy.target.blocks_only
+    assert copy.generate("hello there", max_new_tokens=16).token_ids == jakiro.load(
+        target=target, cache_dir=str(tmp_path), runtime=Runtime(quantized=False)).generate(
+        "hello there", max_new_tokens=16).token_ids
 
 
 def test_a_long_prompt_is_read_from_its_last_tokens(tiny, other_model):
