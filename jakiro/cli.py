@@ -193,7 +193,7 @@ def cmd_bench(args) -> int:
     SamplingParams(args.temperature)
     runtime = args.runtime
     if runtime.threads is None:  # benchmarks default to one thread: stable, comparable figures
-        runtime = runtime.but(threads=1).apply()
+        runtime = runtime.but(threads=1)  # (applied where the benchmark loads the target)
     cfg = _config_from(args, BenchConfig, questions=args.questions, drafts=_bench_drafts(args.draft),
                        methods=[m.strip() for m in args.methods.split(",") if m.strip()],
                        target=args.target, cache_dir=args.cache_dir)

@@ -39,6 +39,12 @@ def _at_least(cfg, minimum, names: tuple[str, ...]) -> None:
             raise JakiroError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
 
 
+def check_max_new_tokens(value) -> None:
+    """The one check of a request's ``max_new_tokens`` (the settings and the decoder's length check)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise JakiroError(f"max_new_tokens must be a positive integer, got {value!r}")
+
+
 def _env_switch(name: str) -> bool | None:
     """An on/off environment variable: None when unset, empty or 'auto'."""
     value = os.environ.get(name, "auto").strip().lower()
@@ -96,8 +102,7 @@ class DecodeSettings:
     stop: tuple[str, ...] | list[str] = opt((), "stop string (repeatable)", action="append")
 
     def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise JakiroError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        check_max_new_tokens(self.max_new_tokens)
         object.__setattr__(self, "stop", tuple(self.stop or ()))  # (the command line's: None or a list)
         self.sampling()  # the sampling parameters' own checks, at once
 

@@ -14,7 +14,7 @@ from ..errors import JakiroError
 from ..methods import METHODS
 from ..settings import Runtime
 from ..data.questions import read_questions
-from .config import BenchConfig  # noqa: F401 (imported from here too)
+from .config import BenchConfig
 from .summary import markdown_table, plot_summary, summarize  # noqa: F401 (markdown_table: imported from here too)
 
 HF_METHODS = ("hf", "hf-pld")

@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-
 if TYPE_CHECKING:
-    from .runner import BenchConfig
+    from .config import BenchConfig
 
 
 def _aggregate(turns: list[dict]) -> dict:

@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import JakiroError
+from ..settings import check_max_new_tokens
 from .proposers import Proposer
 from .sampling import SamplingParams, next_token
 from .tree import DRAFT, LOOKUP
@@ -254,8 +255,7 @@ class Decoder:
         return self.proposer.name
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise JakiroError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        check_max_new_tokens(max_new_tokens)
         ctx = self.target.config.max_context
         if prompt_len + max_new_tokens > ctx:
             raise JakiroError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "

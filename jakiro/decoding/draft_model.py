@@ -4,12 +4,12 @@ with a KV cache of its own.
 
 Each cycle the draft model catches up on the tokens committed since its last proposal (its cache
 keeps what it already read that the context still agrees with: the accepted part of its last
-chain; of a long prompt it reads only the last ``window`` tokens, so that a RAG or summarization
-prompt is not prefilled a second time by the draft), then drafts token after token while its own next-token probability stays at least
-``min_prob`` (a confident draft is usually right; an unsure one costs a forward for little), up
-to ``num_tokens``. Greedy requests take its argmax; sampled ones draw each token from its
-distribution processed as the target's is (temperature, top-k, top-p), which verification
-accepts with min(1, p / q): the output follows the target's distribution either way."""
+chain; of a very long prompt it reads only the last ``window`` tokens), then drafts token after
+token while its own next-token probability stays at least ``min_prob`` (a confident draft is
+usually right; an unsure one costs a forward for little), up to ``num_tokens``. Greedy requests
+take its argmax; sampled ones draw each token from its distribution processed as the target's is
+(temperature, top-k, top-p), which verification accepts with min(1, p / q): the output follows
+the target's distribution either way."""
 
 from __future__ import annotations
 
@@ -59,19 +59,20 @@ class DraftModelProposer(Proposer):
         if lookup:
             self.name = "draft-model+pld"
         self._cache = None
-        self._held: list[int] = []  # the tokens whose keys and values the cache holds, in order: those of
-        self._start = 0  # the context from this index on
+        self._held: list[int] = []  # the tokens whose keys and values the cache holds, in order:
+        self._start = 0  # those of the context from this index on
         self._params: SamplingParams | None = None
         self._generator: torch.Generator | None = None
 
     def start(self, max_len: int) -> None:
         # room for the request's tokens, as far as the model's own context goes (``_catch_up``
-        # starts afresh from the last ``window`` tokens when a request outgrows it)
-        need = min(max_len, self.model.config.max_context - self.num_tokens - 1) + self.num_tokens + 1
+        # starts afresh from the last tokens when a request outgrows it), and for a chain
+        self._room = min(max_len, self.model.config.max_context - self.num_tokens - 1)
+        need = self._room + self.num_tokens + 1
         if self._cache is None or self._cache.max_len < need:
             self._cache = self.model.new_cache(need)
         self._cache.truncate(0)
-        self._held, self._start, self._room = [], 0, need - self.num_tokens - 1
+        self._held, self._start = [], 0
 
     def fork(self) -> "DraftModelProposer":
         twin = super().fork()

@@ -20,7 +20,6 @@ float32 weights' token for token.
 """
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 

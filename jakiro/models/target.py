@@ -58,7 +58,6 @@ class TargetModel(TorchStack):
         self.dtype = dtype
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.gguf = gguf
-        self.runtime = Runtime(quantized=gguf is not None, int8_activations=input_bytes == 1)  # ``from_folder``'s
         self.blocks_only = gguf is not None  # no float32 weights: every forward runs the kernels
         # q, k, v, o, gate, up and down of each layer and the head
         self.quantized_matrices = 7 * len(layers) + 1 if self.blocks_only else 0
@@ -76,6 +75,11 @@ class TargetModel(TorchStack):
     def int8_activations(self) -> bool:
         """Whether the quantized matrices take their inputs as int8 (``from_folder``)."""
         return self.input_bytes == 1
+
+    @property
+    def runtime(self) -> Runtime:
+        """What ``from_folder`` chose: whether the GGUF file's blocks are streamed, taking int8 inputs."""
+        return Runtime(quantized=self.blocks_only, int8_activations=self.int8_activations)
 
     @property
     def tile_matrices(self) -> int:
@@ -133,7 +137,7 @@ class TargetModel(TorchStack):
         as ``runtime`` (default: ``Runtime.from_env()``) asks: its blocks streamed as the file
         holds them unless ``runtime.quantized`` is False (then a float32 copy runs), taking int8
         inputs (True; needs a CPU with AVX-512 VNNI or AMX) or float32-accurate ones (False);
-        unset: int8 where the CPU can. ``self.runtime`` says what was chosen."""
+        unset: int8 where the CPU can. ``runtime`` of the model says what was chosen."""
         from . import gguf_file, quant
         from .hub import _log
         runtime = runtime or Runtime.from_env()
@@ -164,14 +168,11 @@ class TargetModel(TorchStack):
         input_bytes = 1 if int8 else 3
         if not stream_blocks:
             state = load_state_dict(folder)
-            model = cls(hf_config, *state_layers(cfg, state, dtype), name=name, dtype=dtype)
-        else:
-            weights = gguf_file.GGUFWeights(folder)
-            factors = weights.raw("rope_freqs.weight", copy=True) if "rope_freqs.weight" in weights else None
-            model = cls(hf_config, *gguf_layers(cfg, weights, input_bytes), name=name, input_bytes=input_bytes,
-                        gguf=weights, rope_factors=factors)
-        model.runtime = runtime.but(quantized=stream_blocks, int8_activations=int8)
-        return model
+            return cls(hf_config, *state_layers(cfg, state, dtype), name=name, dtype=dtype)
+        weights = gguf_file.GGUFWeights(folder)
+        factors = weights.raw("rope_freqs.weight", copy=True) if "rope_freqs.weight" in weights else None
+        return cls(hf_config, *gguf_layers(cfg, weights, input_bytes), name=name, input_bytes=input_bytes,
+                   gguf=weights, rope_factors=factors)
 
     def new_cache(self, max_len: int, scratch: int = 0) -> KVCache:
         """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the

@@ -267,14 +267,13 @@ def create_app(jk: Jakiro, method: str | None = None, settings: ServeSettings | 
     ``host``, ``port``, ``log_level``, ``header_timeout`` and ``max_connections`` are ``serve``'s."""
     s = settings_with(settings or ServeSettings(), options)
     svc = _Service(jk, method, s)
-    docs = s.docs
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         svc.close()
 
-    doc_routes = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    doc_routes = {} if s.docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="jakiro", description="OpenAI-compatible speculative decoding server", lifespan=lifespan,
                   **doc_routes)
     app.state.scheduler, app.state.metrics, app.state.engine = svc.scheduler, svc.metrics, svc.engine

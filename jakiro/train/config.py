@@ -36,43 +36,43 @@ def parse_layers(text: str, option: str = "--aux-layers") -> tuple[int, ...]:
 class DataConfig:
     target: str | None
     source: str = opt("sharegpt", "'sharegpt' (the installed package), '" + CODE_SOURCE + "' (its conversations "
-                                   "whose first user turn is about code), 'sharegpt-tasks' (summarise / answer "
-                                   "from a passage / extract / rewrite / translate prompts built from ShareGPT's "
-                                   "texts; needs --regenerate; 'sharegpt-tasks-2' .. '-5' work on each "
-                                   "conversation's 2nd .. 5th passage), '" + TARGET_PROMPTS_SOURCE + "' (the target "
-                                   "writes each user turn itself, sampled from its chat template's user header, "
-                                   "then answers it; needs --regenerate) or a JSONL file of {'conversations': "
-                                   "[{from, value}]} or {'messages': [{role, content}]}, optionally .gz")
+                                  "whose first user turn is about code), 'sharegpt-tasks' (summarise / answer "
+                                  "from a passage / extract / rewrite / translate prompts built from ShareGPT's "
+                                  "texts; needs --regenerate; 'sharegpt-tasks-2' .. '-5' work on each "
+                                  "conversation's 2nd .. 5th passage), '" + TARGET_PROMPTS_SOURCE + "' (the target "
+                                  "writes each user turn itself, sampled from its chat template's user header, "
+                                  "then answers it; needs --regenerate) or a JSONL file of {'conversations': "
+                                  "[{from, value}]} or {'messages': [{role, content}]}, optionally .gz")
     max_records: int = opt(1000, "conversations to build (counting from --first-record)")
     first_record: int = opt(0, "skip this many records at the start of the source, usable or not (to "
-                                "extend a dataset in a new folder: the earlier one's records_done, in its "
-                                "state.json)")
+                               "extend a dataset in a new folder: the earlier one's records_done, in its "
+                               "state.json)")
     max_len: int = opt(512, "tokens per conversation (truncated)")
     shard_size: int = opt(64, "conversations per safetensors shard (the unit of resuming)")
     regenerate: str = opt("none", "replace assistant turns with the target's own answers",
-                           choices=("none", "greedy", "sample"))
+                          choices=("none", "greedy", "sample"))
     regen_max_tokens: int = opt(256, "longest regenerated answer, in tokens")
     seed: int = opt(0, "seed of sampled regeneration")
     regen_batch: int = opt(32, "conversations regenerated together")
     regen_minutes: float = opt(0.0, "stop regenerating after about this long (0: no limit); the conversations "
-                                     "then in flight are dropped, and the same command continues later")
+                                    "then in flight are dropped, and the same command continues later")
     regen_prompts: str = opt("auto", "how a new prompt enters its slot: prefill (a forward of its own) or feed "
-                                      "(one token per batch forward, beside the other slots' answers); auto: feed "
-                                      "on a GPU, prefill on the CPU", choices=("auto", "prefill", "feed"))
+                                     "(one token per batch forward, beside the other slots' answers); auto: feed "
+                                     "on a GPU, prefill on the CPU", choices=("auto", "prefill", "feed"))
     sample_share: float = opt(0.0, "with --regenerate greedy: share of conversations answered by sampling "
-                                    "(T 0.8, top-p 0.95)")
+                                   "(T 0.8, top-p 0.95)")
     filter_evaluation: bool = opt(True, "drop conversations that touch MT-bench, Spec-Bench or HumanEval prompts")
     skip_bad: bool = opt(False, "skip malformed lines of a JSONL source (counted and reported) instead of "
-                                 "stopping at the first")
+                                "stopping at the first")
     aux_layers: str = opt("", "also store the target's residual stream after these decoder layers "
-                               "(comma-separated counts, e.g. 3,15) for drafts with mid-layer inputs "
-                               "(jakiro train --aux-layers); three times the storage for two layers")
+                              "(comma-separated counts, e.g. 3,15) for drafts with mid-layer inputs "
+                              "(jakiro train --aux-layers); three times the storage for two layers")
     tokens_only: bool = opt(False, "store tokens and loss masks only, no features: `jakiro train` then computes "
-                                    "the features with the target on the fly (on a GPU, cheaper than storing "
-                                    "them; --aux-layers still names the streams the draft will read)")
+                                   "the features with the target on the fly (on a GPU, cheaper than storing "
+                                   "them; --aux-layers still names the streams the draft will read)")
     device: str = opt("", "where the target regenerates answers and computes features: cpu (its own kernels) "
-                           "or a torch device such as cuda, where the same decoder stack runs in plain torch "
-                           "(default: cuda when available, else cpu)")
+                          "or a torch device such as cuda, where the same decoder stack runs in plain torch "
+                          "(default: cuda when available, else cpu)")
 
     def check(self) -> None:
         """Refuse settings that cannot build a dataset (the command line and the API alike)."""
@@ -126,14 +126,14 @@ class TrainConfig:
     num_experts: int = opt(2, "jakiro: number of experts N", flag="--experts")
     experts_per_token: int = opt(2, "jakiro: activated experts K (>= 2)", flag="--active")
     candidate_mode: str = opt("decoupled", "jakiro: tree candidates from each activated expert (decoupled) "
-                                            "or from their blend", flag="--candidates",
-                               choices=("decoupled", "blended"))
+                                           "or from their blend", flag="--candidates",
+                              choices=("decoupled", "blended"))
     parallel_decoding: bool = opt(True, "jakiro: train the contrastive branch (the last tree layer without "
-                                         "another draft forward)")
+                                        "another draft forward)")
     draft_vocab_size: int | None = opt(8192, "draft head vocabulary, the most frequent tokens of the data "
-                                              "(0 = the full vocabulary)", flag="--draft-vocab")
+                                             "(0 = the full vocabulary)", flag="--draft-vocab")
     intermediate_size: int = opt(0, "width of the draft's MLP (each expert's for jakiro); 0 = the target's. "
-                                     "A narrower MLP keeps a wide target's draft small and cheap to run")
+                                    "A narrower MLP keeps a wide target's draft small and cheap to run")
     steps: int = opt(1000, "optimizer steps")
     batch_size: int = opt(8, "records per optimizer step (global, over all processes)")
     seq_len: int = opt(512, "tokens per record (longer records are cut)")
@@ -143,21 +143,21 @@ class TrainConfig:
     grad_clip: float = opt(0.5, "gradient norm clip")
     noise: float = opt(0.2, "uniform noise in [-noise/2, noise/2] added to the input features")
     unroll: int = opt(4, "draft steps trained per position on the draft's own predictions "
-                          "(training-time test); 1 = single-step training")
+                         "(training-time test); 1 = single-step training")
     step_decay: float = opt(STEP_DECAY, "loss weight of unrolled step s: step_decay ** (s - 1)")
     p_weight: float = opt(P_WEIGHT, "weight of the cross-entropy against the target's next-token "
-                                     "distribution, next to the feature regression (weight 1)")
+                                    "distribution, next to the feature regression (weight 1)")
     jakiro_loss: str = opt("separate", "jakiro: separate = the first expert as a draft, the second on the "
-                                        "tokens the first leaves, blend and contrastive; full = every expert "
-                                        "toward the same target; reference = blend and contrastive only",
-                            choices=JAKIRO_LOSSES)
+                                       "tokens the first leaves, blend and contrastive; full = every expert "
+                                       "toward the same target; reference = blend and contrastive only",
+                           choices=JAKIRO_LOSSES)
     init_from: str | None = opt(None, "start from this draft's weights (same method and shape), e.g. to "
-                                       "continue a single-step run with --unroll 4; a jakiro run may start "
-                                       "from an eagle2 draft (every expert a copy of its MLP)",
-                                 metavar="DRAFT")
+                                      "continue a single-step run with --unroll 4; a jakiro run may start "
+                                      "from an eagle2 draft (every expert a copy of its MLP)",
+                                metavar="DRAFT")
     aux_layers: str = opt("", "mid-layer inputs: the draft's first step also reads the target's residual "
-                               "stream after these decoder layers (e.g. 3,15; the data must hold them: "
-                               "jakiro data --aux-layers)")
+                              "stream after these decoder layers (e.g. 3,15; the data must hold them: "
+                              "jakiro data --aux-layers)")
     eval_every: int = opt(200, "held-out metrics every N steps")
     eval_records: int = opt(32, "held-out records (the dataset's last ones, at most 5 %%)")
     eval_steps: int = opt(4, "draft steps evaluated")
@@ -166,8 +166,8 @@ class TrainConfig:
     tau_tokens: int = opt(48, "tokens decoded per prompt for --tau-every")
     checkpoint_every: int = opt(100, "checkpoint every N steps (--resume continues from the last)")
     minutes: float = opt(0.0, "train for about this long (after loading): after 11 steps the "
-                               "step count is set from their pace so that the learning-rate schedule ends "
-                               "on time (--steps stays the upper bound; 0 = no limit)")
+                              "step count is set from their pace so that the learning-rate schedule ends "
+                              "on time (--steps stays the upper bound; 0 = no limit)")
     seed: int = opt(0, "seed of the initialisation, the data order and the noise")
 
     def check(self, world: int = 1) -> None:
@@ -193,5 +193,3 @@ class TrainConfig:
         parse_layers(self.aux_layers)
         if self.batch_size % world:
             raise JakiroError(f"batch size {self.batch_size} must be divisible by the {world} processes")
-
-
