@@ -49,9 +49,10 @@ def check_method_options(method: str, budget: "TreeBudget | None", tree: str | N
 class Jakiro:
     """A target model, its tokenizer, and one engine per decoding method (sharing the target)."""
 
-    def __init__(self, target, tokenizer, target_path: str, cache_dir: str | None = None):
+    def __init__(self, target, tokenizer, target_path: str, cache_dir: str | None = None, prompt_cache: bool = True):
+        """``prompt_cache``: the default of the methods added (``MethodSettings.prompt_cache``)."""
         self.target, self.tokenizer, self.target_path = target, tokenizer, target_path
-        self.cache_dir = cache_dir
+        self.cache_dir, self.prompt_cache = cache_dir, prompt_cache
         self.engines: dict[str, Engine] = {}
         self.default_method = "ar"
 
@@ -62,10 +63,12 @@ class Jakiro:
         without an explicit tree or static tree: the user's tree wins) each cycle drafts only
         what pays on this machine (``decoding.adaptive``). ``tree``: ``static:NAME|PATH``, a
         static (EAGLE-1) tree instead of the dynamic one. ``prompt_vocab`` (default on): a draft
-        also scores the tokens of each request's prompt that its vocabulary lacks. ``draft_model``
+        also scores the tokens of each request's prompt that its vocabulary lacks. ``prompt_cache``
+        (default on): a request starts from what the last one left in the KV cache where its prompt
+        starts the same way (the answer is bitwise the same; benchmarks turn it off). ``draft_model``
         (method ``draft-model``): a named model, GGUF file or folder sharing the target's tokenizer
         (default: the named target's own, e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b)."""
-        s = settings_with(settings or MethodSettings(), options)
+        s = settings_with(settings or MethodSettings(prompt_cache=self.prompt_cache), options)
         budget = tree_budget(s.depth, s.tree_top_k, s.total_tokens)
         check_method_options(method, budget, s.tree)
         static = None
@@ -81,7 +84,8 @@ class Jakiro:
             proposer = Proposer()
         elif method == "draft-model":
             proposer = self._draft_model_proposer(s.draft_model, budget,
-                                                  PromptLookupProposer(num_tokens=s.pld_tokens) if lookup else None)
+                                                  PromptLookupProposer(num_tokens=s.pld_tokens) if lookup else None,
+                                                  s.prompt_cache)
         elif method == "pld":
             proposer = PromptLookupProposer(num_tokens=s.pld_tokens)
             if s.adaptive:  # verify only as much of the chain as pays on this machine
@@ -95,7 +99,7 @@ class Jakiro:
                 proposer = AdaptiveProposer(proposer, self.target, adaptive=s.adaptive and not explicit,
                                             lookup=PromptLookupProposer(num_tokens=s.pld_tokens) if lookup else None,
                                             keep_costs=True, cache_dir=cache_dir)
-        engine = Engine(self.target, self.tokenizer, proposer, tuned=source)
+        engine = Engine(self.target, self.tokenizer, proposer, tuned=source, prompt_cache=s.prompt_cache)
         self.engines[name] = engine
         return engine
 
@@ -134,7 +138,7 @@ class Jakiro:
             raise JakiroError(str(exc)) from None
 
     def _draft_model_proposer(self, draft_model: str | None, budget: TreeBudget | None,
-                              lookup: PromptLookupProposer | None):
+                              lookup: PromptLookupProposer | None, keep_context: bool = False):
         from .decoding.draft_model import DraftModelProposer, check_same_tokenizer
         from .models import registry, smallgemm
         from .models.hub import resolve_target
@@ -151,7 +155,8 @@ class Jakiro:
         model = TargetModel.from_folder(path, Runtime(quantized=True, int8_activations=int8))
         check_same_tokenizer(self.tokenizer, load_tokenizer(path), self.target.config.vocab_size,
                              model.config.vocab_size, os.path.basename(path))
-        return DraftModelProposer(model, num_tokens=budget.depth if budget else 5, lookup=lookup)
+        return DraftModelProposer(model, num_tokens=budget.depth if budget else 5, lookup=lookup,
+                                  keep_context=keep_context)
 
     def engine(self, method: str | None = None) -> Engine:
         method = method or self.default_method
@@ -208,7 +213,7 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     computation's). ``settings`` (``MethodSettings``) and ``options``, its fields changed:
     ``draft_model``, ``depth``, ``tree_top_k``, ``total_tokens``, ``candidate_mode``,
     ``parallel_decoding``, ``tree`` (``"static:eagle1"``: a static tree), ``adaptive``
-    (False: the draft's fixed tree every cycle), ``prompt_vocab``, ``pld_tokens``
+    (False: the draft's fixed tree every cycle), ``prompt_vocab``, ``prompt_cache``, ``pld_tokens``
     (see ``Jakiro.add_method``)."""
     from .models.hub import resolve_target
     from .models.target import TargetModel
@@ -225,7 +230,7 @@ def load(target: str | None = None, draft: str | None = None, method: str | None
     runtime = (runtime or Runtime.from_env()).apply()
     path = resolve_target(target, cache_dir)
     model = TargetModel.from_folder(path, runtime)
-    jk = Jakiro(model, load_tokenizer(path), path, cache_dir)
+    jk = Jakiro(model, load_tokenizer(path), path, cache_dir, s.prompt_cache)
     jk.add_method(method, s)
     jk.default_method = method
     return jk

@@ -71,8 +71,9 @@ class ChatSession:
         m = result.metrics
         self.turns += 1
         self.total.merge(m)
+        cached = f", {m.cached_tokens} of {m.prompt_tokens} prompt tokens from the cache" if m.cached_tokens else ""
         out.write(f"\n[{m.new_tokens} tokens, {m.tokens_per_s:.1f} tokens/s, tau {m.tau:.2f}, "
-                  f"{result.method}]\n")
+                  f"{result.method}; first token after {m.prefill_s:.2f} s{cached}]\n")
         return {"text": text_out, "token_ids": result.token_ids, "tau": m.tau, "tokens_per_s": m.tokens_per_s}
 
     def stats(self) -> str:

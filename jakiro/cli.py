@@ -32,13 +32,14 @@ def cmd_models(args) -> int:
     return 0
 
 
-def _load(args, method: str | None = None):
-    """The target and method the options ask for (``method``: instead of ``--method``)."""
+def _load(args, method: str | None = None, **changes):
+    """The target and method the options ask for (``method``: instead of ``--method``; ``changes``:
+    other ``MethodSettings`` fields set by the command)."""
     from . import load
     settings = _config_from(args, MethodSettings)
     if method is not None:
-        settings = settings_with(settings, {"method": method})
-    return load(args.target, runtime=args.runtime, cache_dir=args.cache_dir, settings=settings)
+        changes["method"] = method
+    return load(args.target, runtime=args.runtime, cache_dir=args.cache_dir, settings=settings_with(settings, changes))
 
 
 def cmd_generate(args) -> int:
@@ -46,7 +47,7 @@ def cmd_generate(args) -> int:
     params, stop = decode.sampling(), list(decode.stop)
     if args.compare_rounds < 1:
         raise JakiroError(f"--compare-rounds must be >= 1, got {args.compare_rounds}")
-    jk = _load(args)
+    jk = _load(args, prompt_cache=False)  # --compare's runs each prefill the prompt whole
     engine = jk.engine()
     stream_out = not args.json
     if args.compare and engine.method != "ar":

@@ -84,15 +84,15 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                              "$JAKIRO_INT8_ACTIVATIONS=0)")
 
 
-def _add_method_args(p: argparse.ArgumentParser) -> None:
-    """The method and its tree: ``MethodSettings``'s fields."""
-    _add_config_args(p, MethodSettings)
+def _add_method_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The method and its tree: ``MethodSettings``'s fields (but ``skip``)."""
+    _add_config_args(p, MethodSettings, skip)
 
 
-def _add_session_args(p: argparse.ArgumentParser) -> None:
-    """Model options of the long-running commands (serve, chat); see ``_load_for_session``."""
+def _add_session_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Model options of the commands that decode (generate, serve, chat); see ``_load_for_session``."""
     _add_target_args(p)
-    _add_method_args(p)
+    _add_method_args(p, skip)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -109,7 +109,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--compare-rounds", type=int, default=3,
                    help="with --compare: runs of each, interleaved; tokens/s and the speedup are their "
                         "medians (default: 3; a single run of a short answer moves by a tenth)")
-    _add_session_args(g)
+    _add_session_args(g, skip=("prompt_cache",))  # one request: each run prefills its prompt whole
     _add_sampling_args(g)
 
 

@@ -138,6 +138,10 @@ class MethodSettings:
                          action="store_false")
     prompt_vocab: bool = opt(True, "drafts: score only the draft vocabulary, not also the tokens of the request's "
                              "prompt that it lacks", flag="--no-prompt-vocab", action="store_false")
+    prompt_cache: bool = opt(True, "prefill every prompt whole instead of starting from what the last request "
+                             "left in the KV cache where the prompt starts the same way (a conversation's next turn, "
+                             "a shared system prompt); the answer is bitwise the same either way",
+                             flag="--no-prompt-cache", action="store_false")
     pld_tokens: int = 6  # prompt lookup: the longest chain it proposes
 
     def __post_init__(self):

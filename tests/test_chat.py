@@ -33,8 +33,12 @@ def test_chat_streams_replies_keeps_history_and_reports(smol):
     text = out.getvalue()
     assert f"bot> {first}\n[" in text
     assert f"bot> {second}\n[" in text  # the second turn saw the first one
-    turns = re.findall(r"\[(\d+) tokens, ([\d.]+) tokens/s, tau ([\d.]+), jakiro\]", text)
+    turns = re.findall(r"\[(\d+) tokens, ([\d.]+) tokens/s, tau ([\d.]+), jakiro; first token after [\d.]+ s", text)
     assert len(turns) == 2
+    # the second turn starts from what the first left in the cache (the first turn's prompt, at least)
+    second_line = re.findall(r"\[\d+ tokens, [^\n]*\]\n", text)[1]
+    cached = re.search(r"(\d+) of (\d+) prompt tokens from the cache\]", second_line)
+    assert cached and int(cached.group(1)) >= len(engine.encode("What is 2+2?"))
     # every kept token but each turn's first comes from a verification forward: tau = (tokens - 1) / forwards
     forwards = [(int(n) - 1) / float(tau) for n, _, tau in turns]
     assert all(abs(f - round(f)) < 0.05 * f and round(f) >= 1 for f in forwards), turns

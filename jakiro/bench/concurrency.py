@@ -44,7 +44,7 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True, runtime: Runt
     prompts = [q["turns"][0] for q in questions]
     if len(prompts) < max(levels):
         raise JakiroError(f"{len(prompts)} questions for {max(levels)} concurrent requests: take more questions")
-    jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime)
+    jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime, prompt_cache=cfg.prompt_cache)
     engines = {m: jk.add_method(m, draft=cfg.drafts.get(m.removesuffix("+pld")), draft_model=cfg.draft_model)
                for m in methods}
     sampling = SamplingParams(cfg.temperature, seed=cfg.seed) if cfg.temperature > 0 else None
@@ -74,6 +74,7 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True, runtime: Runt
     summary = {"target": os.path.basename(jk.target_path.rstrip("/")), "questions": cfg.questions,
                "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                "threads": torch.get_num_threads(), "int8_activations": jk.target.int8_activations,
+               "prompt_cache": cfg.prompt_cache,
                "levels": levels, "methods": rows, "first_token": first_token}
     os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "concurrency.json"), "w") as f:
@@ -93,6 +94,7 @@ def _level(engine, prompts: list[str], max_new_tokens: int, sampling, n: int, al
     tokens = sum(len(i) for i in ids)
     forwards = sum(r.metrics.target_forwards for r in results)
     return {"requests": len(prompts), "new_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "cached_prompt_tokens": sum(r.metrics.cached_tokens for r in results),
             "tau": sum(r.metrics.committed for r in results) / forwards if forwards else 0.0,
             "latency_s_median": statistics.median(r.metrics.total_s for r in results),
             "first_token_s_median": statistics.median(r.metrics.prefill_s for r in results),

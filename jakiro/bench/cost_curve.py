@@ -255,7 +255,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
                    runtime: Runtime | None = None) -> dict:
     from ..api import load
 
-    jk = load(target_path, cache_dir=cache_dir, runtime=runtime)
+    jk = load(target_path, cache_dir=cache_dir, runtime=runtime, prompt_cache=False)
     nbytes = weight_bytes(jk.target)
     floor = memory_floor_ms(nbytes, repeats)
     cached = kv_bytes(jk.target, context)

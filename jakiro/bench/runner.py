@@ -71,13 +71,15 @@ def run_bench(cfg: BenchConfig, progress: bool = True, runtime: Runtime | None =
 
     if isinstance(cfg.repeats, bool) or not isinstance(cfg.repeats, int) or cfg.repeats < 1:
         raise JakiroError(f"repeats must be a positive integer, got {cfg.repeats!r}")
+    if cfg.prompt_cache:
+        raise JakiroError("--prompt-cache applies to --concurrency runs: the benchmark prefills every prompt whole")
     for m in cfg.methods:
         if m not in KNOWN:
             raise JakiroError(f"unknown method {m!r} (choose from {', '.join(KNOWN)})")
     if "ar" not in cfg.methods:
         cfg.methods = ["ar"] + list(cfg.methods)  # the speedup baseline
     questions = select_questions(read_questions(cfg.questions), cfg.limit_per_category)
-    jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime)
+    jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime, prompt_cache=False)  # every prompt whole
     cfg.int8_activations = jk.target.int8_activations
     cfg.quantized_weights = jk.target.quantized_matrices > 0
     os.makedirs(cfg.out, exist_ok=True)

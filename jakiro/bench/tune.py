@@ -47,7 +47,8 @@ def run_tune(draft: str, target: str | None = None, cache: str | None = None,
     from ..draft.checkpoint import draft_method
 
     method = draft_method(draft)
-    jk = load(target, draft, method, runtime=runtime, cache_dir=cache, depth=4, tree_top_k=4, total_tokens=8)  # untuned
+    jk = load(target, draft, method, runtime=runtime, cache_dir=cache, depth=4, tree_top_k=4, total_tokens=8,
+              prompt_cache=False)  # untuned; every prompt whole
     base = jk.engine(method)
     prompts_ids = [base.encode(p) for p in (prompts or CALIBRATION)]
     model = base.proposer.draft

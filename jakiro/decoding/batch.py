@@ -9,7 +9,11 @@ beside it (the kernels never mix rows), a tree the one-call stack would not take
 alone, and a prompt goes in by pieces only where the one-call stack takes it whole. Cost-aware
 drafting prices a tree by what it adds to the batched forward (``Proposer.in_batch``), which
 changes trees, not greedy answers; a sampled request with a seed keeps its trees as alone and
-draws from its own generator, so it draws what it draws alone."""
+draws from its own generator, so it draws what it draws alone.
+
+With the prompt cache (the decoder's ``prompt_cache``) each slot keeps what its last request left
+in it, and a new request takes the free slot whose entries share the longest start with its
+prompt (``prompt_cache``)."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from ..errors import JakiroError
 from ..models.linear import SMALL_ROWS
 from .decoder import Decoded, Decoder, Sequence, StopRule
+from .prompt_cache import Retained, reusable
 from .sampling import SamplingParams
 
 PREFILL_PIECE = 4 * SMALL_ROWS  # prompt tokens a joining request takes in per step
@@ -52,6 +57,7 @@ class BatchDecoder:
         self.prefill_piece = prefill_piece
         self.cache = target.new_batch_cache(slots, self.slot_tokens, scratch=decoder.proposer.max_tree_tokens)
         self._free = list(range(slots))
+        self._retained: list[Retained | None] = [None] * slots  # per slot, with the prompt cache
         self.running: list[Sequence] = []  # in arrival order
 
     @property
@@ -76,20 +82,37 @@ class BatchDecoder:
             self.decoder.check_length(len(ids), max_new_tokens)  # the model's own limit first
             raise JakiroError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds a "
                               f"slot's room ({self.slot_tokens} tokens)")
-        slot = self._free[0]
+        slot, n = self._slot_for(ids)
+        retained = self._retained[slot]
+        self._retained[slot] = None  # a request that fails leaves nothing behind
         seq = Sequence(self.decoder, ids, max_new_tokens, sampling, stop, self.decoder.proposer.fork(),
-                       self.cache.slot(slot))
-        self._free.pop(0)
+                       self.cache.slot(slot, n), retain=self.decoder.prompt_cache)
+        if n:
+            seq.resume(retained, n)
+        self._free.remove(slot)
         seq.slot = slot
         self.running.append(seq)
         return seq
 
-    def remove(self, seq: Sequence) -> None:
-        """Free a request's slot (it finished, or its client left)."""
+    def _slot_for(self, ids: list[int]) -> tuple[int, int]:
+        """The free slot to take (the lowest of those whose cached entries share the longest start
+        with ``ids``) and how many of its entries the request starts from."""
+        best, most = self._free[0], 0
+        for slot in self._free:
+            n = reusable(self._retained[slot], ids, self.decoder)
+            if n > most:
+                best, most = slot, n
+        return best, most
+
+    def remove(self, seq: Sequence, keep: bool = False) -> None:
+        """Free a request's slot (it finished, or its client left); ``keep``: with the prompt
+        cache, the slot keeps what the request left in it for the next one."""
         if seq in self.running:
             self.running.remove(seq)
             self._free.append(seq.slot)
             self._free.sort()
+            if keep and self.decoder.prompt_cache:
+                self._retained[seq.slot] = seq.retained()
 
     @torch.inference_mode()
     def step(self) -> list[Step]:
@@ -148,7 +171,7 @@ class BatchDecoder:
         new = seq.advance()
         if not seq.finish:
             return Step(seq, new)
-        self.remove(seq)
+        self.remove(seq, keep=True)
         return Step(seq, new, seq.result())
 
     def decode(self, requests: list[tuple[list[int], int, SamplingParams | None, StopRule | None]]) -> list[Decoded]:

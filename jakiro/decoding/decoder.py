@@ -12,6 +12,7 @@ import torch
 
 from ..errors import JakiroError
 from ..settings import check_max_new_tokens
+from .prompt_cache import Retained, reusable
 from .proposers import Proposer
 from .sampling import SamplingParams, next_token
 from .tree import DRAFT, LOOKUP
@@ -27,6 +28,7 @@ class Metrics:
     acceptance per depth and tokens/s used by the CLI, the benchmark, the server, chat and tune."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prompt cache instead of prefilled
     new_tokens: int = 0
     target_forwards: int = 0  # verification forwards (prefill excluded)
     prefill_s: float = 0.0
@@ -69,8 +71,8 @@ class Metrics:
 
     def merge(self, other: "Metrics") -> "Metrics":
         """Add ``other``'s counts and times to these (in place; returns self)."""
-        for name in ("prompt_tokens", "new_tokens", "target_forwards", "prefill_s", "draft_s", "target_s",
-                     "total_s", "committed", "plain_steps", "drafted"):
+        for name in ("prompt_tokens", "cached_tokens", "new_tokens", "target_forwards", "prefill_s", "draft_s",
+                     "target_s", "total_s", "committed", "plain_steps", "drafted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for src, n in other.accepted_from.items():
             self.accepted_from[src] = self.accepted_from.get(src, 0) + n
@@ -91,7 +93,8 @@ class Metrics:
         """Every count and time (enough to rebuild the object with ``from_dict``) and the derived
         rates."""
         return {
-            "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "new_tokens": self.new_tokens,
             "tokens_per_s": self.tokens_per_s, "tau": self.tau, "committed": self.committed,
             "target_forwards": self.target_forwards, "plain_steps": self.plain_steps, "drafted": self.drafted,
             "acceptance": self.acceptance,
@@ -119,10 +122,11 @@ class Decoded:
 class Sequence:
     """One request's state in the decode core: its proposer and KV cache, the ids committed so far
     and its metrics. ``Decoder`` runs one; ``batch.BatchDecoder`` runs many side by side, their
-    trees verified in one target forward."""
+    trees verified in one target forward. With ``retain`` it keeps what the prompt cache needs to
+    hand its cache to a later request (``retained``)."""
 
     def __init__(self, decoder: "Decoder", ids: list[int], max_new_tokens: int, sampling: SamplingParams | None,
-                 stop: StopRule | None, proposer: Proposer, cache):
+                 stop: StopRule | None, proposer: Proposer, cache, retain: bool = False):
         self.decoder, self.proposer, self.cache = decoder, proposer, cache
         self.slot = 0  # its slot of a batch's cache (``batch``)
         self.params = sampling or SamplingParams()
@@ -141,6 +145,10 @@ class Sequence:
         self.finish: str | None = None
         self.prefilled = 0  # prompt tokens in the cache
         self._prompt_feats: list[torch.Tensor] = []
+        self.retain = retain
+        self.exact = 0  # leading cache entries a whole prefill would write bitwise (``prompt_cache``)
+        self._inexact = False  # a forward did not go through the one-call kernels: no entry after is exact
+        self._kept_feats: list[torch.Tensor] = []  # with ``retain``: the features of the cache's entries
         proposer.set_sampling(None if self.params.greedy else self.params, self.generator)
         proposer.start(len(self.ids) + max_new_tokens)
 
@@ -154,6 +162,7 @@ class Sequence:
                                logits_rows=slice(-1, None), chunked=True,
                                aux_layers=proposer.aux_layers)
         self.cache.commit(end - self.prefilled)
+        self._kept(target.fused_rows(end - self.prefilled, tree=False), feats)
         self.prefilled = end
         if proposer.needs_features:
             self._prompt_feats.append(feats)
@@ -166,6 +175,36 @@ class Sequence:
         self.metrics.prefill_s = time.perf_counter() - self.t_start
         self.pending = [(first, None)]
         return True
+
+    def resume(self, retained: Retained, n: int) -> None:
+        """Start from the first ``n`` entries a finished request left in this sequence's cache
+        (``prompt_cache``): its prompt's first ``n`` tokens, taken in without a forward."""
+        self.cache.truncate(n)
+        self.prefilled = self.exact = n
+        self.metrics.cached_tokens = n
+        if self.proposer.needs_features:
+            self._prompt_feats.append(retained.features[:n])
+        if self.retain and retained.features is not None:
+            self._kept_feats.append(retained.features[:n])
+
+    def _kept(self, exact: bool, feats: torch.Tensor | None) -> None:
+        """The cache gained entries from one forward (``exact``: through the one-call kernels),
+        ``feats`` their features (None where the proposer takes none)."""
+        self._inexact = self._inexact or not exact
+        if not self._inexact:
+            self.exact = self.cache.length
+        if self.retain and self.proposer.needs_features and not self._inexact:
+            self._kept_feats.append(feats)
+
+    def retained(self) -> Retained | None:
+        """What this request's cache offers the next one: its exact entries' ids and features."""
+        n = min(self.exact, len(self.context))
+        if n == 0:
+            return None
+        feats = torch.cat(self._kept_feats)[:n] if self.proposer.needs_features and self._kept_feats else None
+        if self.proposer.needs_features and (feats is None or feats.shape[0] < n):
+            return None
+        return Retained(self.context[:n], feats)
 
     def advance(self) -> list[int]:
         """Commit the pending (token, source) pairs one by one, so that EOS and the length limit
@@ -205,6 +244,8 @@ class Sequence:
         verdict = _verify.verify(tree, logits, self.params, self.generator)
         proposer.feedback(tree, verdict)
         self.cache.keep(verdict.accepted)
+        kept_feats = feats[verdict.accepted] if proposer.needs_features else None
+        self._kept(self.decoder.target.fused_rows(tree.size), kept_feats)
         metrics.target_s += target_s + time.perf_counter() - t0
         metrics.target_forwards += 1
         metrics.plain_steps += tree.size == 1
@@ -212,7 +253,7 @@ class Sequence:
         metrics.record_cycle(int(tree.depths.max()), verdict.accept_length)
         tokens = tree.tokens[verdict.accepted[1:]].tolist() + [verdict.bonus]
         if proposer.needs_features:
-            proposer.observe(feats[verdict.accepted], torch.tensor(tokens))
+            proposer.observe(kept_feats, torch.tensor(tokens))
         names = ([_SOURCE_NAMES[s] for s in tree.sources[verdict.accepted[1:]].tolist()]
                  if tree.sources is not None else [None] * verdict.accept_length) + [None]
         self.pending = list(zip(tokens, names))
@@ -243,12 +284,16 @@ class Sequence:
 
 class Decoder:
     """One request at a time for a target and a proposer, on token ids: ``run`` yields the ids
-    each cycle commits and returns the whole answer with its metrics."""
+    each cycle commits and returns the whole answer with its metrics. With ``prompt_cache`` a
+    request starts from what the last finished one left in the cache (``prompt_cache``)."""
 
-    def __init__(self, target, proposer: Proposer | None, eos_ids: set[int]):
+    def __init__(self, target, proposer: Proposer | None, eos_ids: set[int], prompt_cache: bool = False):
         self.target = target
         self.proposer = proposer or Proposer()
         self.eos_ids = set(eos_ids)
+        self.prompt_cache = prompt_cache
+        self._cache = None  # the last request's KV cache (with the prompt cache) ...
+        self._retained: Retained | None = None  # ... and what of it a next request may start from
 
     @property
     def method(self) -> str:
@@ -260,6 +305,10 @@ class Decoder:
         if prompt_len + max_new_tokens > ctx:
             raise JakiroError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "
                               f"exceeds the model's context length ({ctx})")
+
+    def forget(self) -> None:
+        """Drop what the prompt cache holds (the next request prefills its whole prompt)."""
+        self._cache = self._retained = None
 
     def decode(self, ids: list[int], max_new_tokens: int, sampling: SamplingParams | None = None,
                stop: StopRule | None = None) -> Decoded:
@@ -275,16 +324,39 @@ class Decoder:
             stop: StopRule | None = None) -> Iterator[list[int]]:
         """Yield the token ids each cycle commits (after ``stop`` has cut them); the generator's
         return value is the ``Decoded`` answer."""
-        seq = Sequence(self, ids, max_new_tokens, sampling, stop, self.proposer, None)
-        seq.cache = self.target.new_cache(len(seq.ids) + max_new_tokens, scratch=self.proposer.max_tree_tokens)
+        seq = Sequence(self, ids, max_new_tokens, sampling, stop, self.proposer, None, retain=self.prompt_cache)
+        retained, self._retained = self._retained, None  # a request that fails leaves nothing behind
+        self._start(seq, retained)
         seq.prefill()
         while True:
             new = seq.advance()
             if new:
                 yield new
             if seq.finish:
+                if self.prompt_cache:
+                    self._retained = seq.retained()
                 return seq.result()
             seq.verify_alone(seq.propose())
+
+    def _start(self, seq: Sequence, retained: Retained | None) -> None:
+        """Give ``seq`` its cache: a new one, or with the prompt cache the last request's, starting
+        from what it shares with this prompt (copied into a larger cache where it lacks room)."""
+        room = len(seq.ids) + seq.max_new_tokens
+        scratch = self.proposer.max_tree_tokens
+        old, self._cache = self._cache, None
+        n = reusable(retained, seq.ids, self)
+        if old is not None and old.max_len >= room + scratch:
+            seq.cache = old
+        else:
+            seq.cache = self.target.new_cache(room, scratch=scratch)
+            if n:
+                seq.cache.copy_prefix(old, n)
+        if n:
+            seq.resume(retained, n)
+        else:
+            seq.cache.truncate(0)
+        if self.prompt_cache:
+            self._cache = seq.cache
 
 
 _SOURCE_NAMES = {DRAFT: "draft", LOOKUP: "lookup", DRAFT | LOOKUP: "both"}

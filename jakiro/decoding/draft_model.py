@@ -45,14 +45,19 @@ class DraftModelProposer(Proposer):
     name = "draft-model"
 
     def __init__(self, model, num_tokens: int = 5, min_prob: float = 0.5, lookup: PromptLookupProposer | None = None,
-                 window: int = WINDOW):
+                 window: int = WINDOW, keep_context: bool = False):
         """``model``: a ``TargetModel`` (the draft model); ``num_tokens``: the longest chain;
         ``min_prob``: stop drafting after a token the model gave less probability than this;
         ``lookup``: also hang the prompt-lookup continuation under the root (``+pld``);
-        ``window``: the most tokens of a request's context the model starts from."""
+        ``window``: the most tokens of a request's context the model starts from;
+        ``keep_context`` (the prompt cache): a request starts from what the model's cache holds of
+        the last request's context where the two agree (a model whose every forward runs the
+        one-call kernels computes those entries bitwise as it would anew, so drafts do not change)."""
         if num_tokens < 1 or not 0.0 <= min_prob <= 1.0 or window < 1:
             raise ValueError("a draft model needs num_tokens >= 1, 0 <= min_prob <= 1 and window >= 1")
         self.window = window
+        self.keep_context = keep_context and model.blocks_only
+        self._fresh = True  # the request has not proposed yet
         self.model, self.num_tokens, self.min_prob, self.lookup = model, num_tokens, min_prob, lookup
         extra = lookup.num_tokens if lookup else 0
         self.max_tree_tokens, self.max_tree_depth = num_tokens + 1 + extra, max(num_tokens, extra)
@@ -69,6 +74,9 @@ class DraftModelProposer(Proposer):
         # starts afresh from the last tokens when a request outgrows it), and for a chain
         self._room = min(max_len, self.model.config.max_context - self.num_tokens - 1)
         need = self._room + self.num_tokens + 1
+        self._fresh = True
+        if self._cache is not None and self._cache.max_len >= need and self.keep_context:
+            return  # ``_catch_up`` keeps what agrees with the new request's context
         if self._cache is None or self._cache.max_len < need:
             self._cache = self.model.new_cache(need)
         self._cache.truncate(0)
@@ -113,9 +121,11 @@ class DraftModelProposer(Proposer):
         what it holds that the context agrees with (at least the last token is read anew). It
         starts from the last ``window`` tokens, and afresh from the last ones when the context
         outgrows its cache (a request longer than the model's own context)."""
-        if not self._held or len(context) - self._start > self._room:
+        begin = max(0, len(context) - min(self.window, self._room))  # where a request's first proposal starts
+        if not self._held or len(context) - self._start > self._room or (self._fresh and self._start != begin):
             self._cache.truncate(0)
-            self._held, self._start = [], max(0, len(context) - min(self.window, self._room))
+            self._held, self._start = [], begin
+        self._fresh = False
         held, start, n = self._held, self._start, 0
         limit = min(len(held), len(context) - 1 - start)
         while n < limit and held[n] == context[start + n]:

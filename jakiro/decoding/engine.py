@@ -30,10 +30,13 @@ class GenerationResult:
 class Engine:
     """A target's decoder with its tokenizer: text (or messages, or ids) in, text out."""
 
-    def __init__(self, target, tokenizer, proposer: Proposer | None = None, tuned: str | None = None):
-        """``tuned``: the `jakiro tune` record whose tree the proposer drafts, if any (reported)."""
+    def __init__(self, target, tokenizer, proposer: Proposer | None = None, tuned: str | None = None,
+                 prompt_cache: bool = False):
+        """``tuned``: the `jakiro tune` record whose tree the proposer drafts, if any (reported);
+        ``prompt_cache``: a request starts from what the last one left in the KV cache where its
+        prompt starts the same way (``decoding.prompt_cache``)."""
         self.tokenizer = tokenizer
-        self.decoder = Decoder(target, proposer, _eos_ids(target, tokenizer))
+        self.decoder = Decoder(target, proposer, _eos_ids(target, tokenizer), prompt_cache)
         self.target, self.proposer, self.eos_ids = target, self.decoder.proposer, self.decoder.eos_ids
         self.tuned = tuned
 

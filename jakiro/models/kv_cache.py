@@ -59,6 +59,12 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
+    def copy_prefix(self, other: "KVCache", n: int) -> None:
+        """Take ``other``'s first ``n`` committed entries as this cache's prefix."""
+        if not 0 <= n <= min(other.length, self.max_len):
+            raise ValueError(f"cannot take {n} entries of a cache of length {other.length}")
+        self.data[:, :, :, :, :n] = other.data[:, :, :, :, :n]
+        self.length = n
 
 
 class BatchKVCache:
@@ -80,10 +86,12 @@ class BatchKVCache:
     def batch(self) -> int:
         return self.data.shape[2]
 
-    def slot(self, b: int) -> KVCache:
-        """A single-sequence cache over slot ``b``, emptied (its length restarts at 0)."""
-        self.set_length(b, 0)
-        return KVCache(0, 0, 0, 0, data=self.data[:, :, b:b + 1])
+    def slot(self, b: int, keep: int = 0) -> KVCache:
+        """A single-sequence cache over slot ``b``, holding its first ``keep`` entries (0: emptied)."""
+        self.set_length(b, keep)
+        cache = KVCache(0, 0, 0, 0, data=self.data[:, :, b:b + 1])
+        cache.length = keep
+        return cache
 
     def set_length(self, b: int, length: int) -> None:
         self.lengths[b] = length

@@ -26,6 +26,8 @@ class ServerMetrics:
                                 ["endpoint", "status"], registry=r)
         self.cancelled = Counter("jakiro_requests_cancelled", "requests whose client went away", registry=r)
         self.prompt_tokens = Counter("jakiro_prompt_tokens", "prompt tokens processed", registry=r)
+        self.cached_tokens = Counter("jakiro_prompt_tokens_cached",
+                                     "prompt tokens taken from the prompt cache instead of prefilled", registry=r)
         self.generated = Counter("jakiro_generated_tokens", "tokens generated", registry=r)
         self.forwards = Counter("jakiro_target_forwards", "target verification forwards", registry=r)
         self.accepted = Counter("jakiro_accepted_tokens",
@@ -68,6 +70,7 @@ class ServerMetrics:
     def record(self, result) -> None:
         m = result.metrics
         self.prompt_tokens.inc(m.prompt_tokens)
+        self.cached_tokens.inc(m.cached_tokens)
         self.generated.inc(m.new_tokens)
         self.forwards.inc(m.target_forwards)
         self.accepted.inc(max(0, m.committed - m.target_forwards))

@@ -296,6 +296,7 @@ def usage(result) -> dict:
     m = result.metrics
     return {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.new_tokens,
             "total_tokens": m.prompt_tokens + m.new_tokens,
+            "prompt_tokens_details": {"cached_tokens": m.cached_tokens},
             "tau": round(m.tau, 4), "target_forwards": m.target_forwards,
             "accepted_tokens": max(0, m.committed - m.target_forwards),
             "accept_rate_per_depth": [round(r, 4) for r in m.accept_rate_per_depth],

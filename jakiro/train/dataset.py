@@ -69,7 +69,7 @@ def build_dataset(out: str, cfg: DataConfig, cache_dir: str | None = None, progr
     runtime = runtime or Runtime.from_env()
     if _uses_device_stack(device) and runtime.int8_activations is None:
         runtime = runtime.but(int8_activations=False)  # a device's decoder stack is float32
-    jk = load(cfg.target, cache_dir=cache_dir, runtime=runtime)
+    jk = load(cfg.target, cache_dir=cache_dir, runtime=runtime, prompt_cache=False)
     if getattr(jk.target, "int8_activations", False) and _uses_device_stack(device):
         raise JakiroError(f"--int8-activations is the CPU kernels' computation; --device {device} runs the "
                           f"float32 decoder stack: drop one of them")
