@@ -526,3 +526,9 @@ def test_in_a_batch_a_tree_is_priced_by_what_it_adds_to_the_batched_forward():
     assert proposer.costs.target(4) == pytest.approx(3.0)
     proposer.in_batch(0)
     assert proposer.costs is costs
+    # past the table, forwards keep growing by its last half's slope, even where its last two sizes
+    # were pooled flat: beside seven requests a tree of nine tokens costs far more than a plain step
+    flat_end = CostTable({1: 34.8, 2: 38.7, 4: 49.6, 8: 83.0, 9: 83.0}, {1: 2.0})
+    beside_seven = flat_end.beside(7)
+    assert beside_seven.target(9) == pytest.approx(83.0 + 7 * (83.0 - 49.6) / 5 - flat_end.target(7))  # 16 rows
+    assert beside_seven.target(9) > 5 * beside_seven.target(1)

@@ -181,7 +181,11 @@ class CostTable:
 
 
 def _at(table: dict[int, float], n: int) -> float:
-    """``table`` at ``n``: linear between the known sizes, the last slope beyond them."""
+    """``table`` at ``n``: linear between the known sizes; beyond them, the slope over the table's
+    last half (from its largest size to the largest at most half of it). Not the last two sizes':
+    those are often a step apart and pooled flat (``monotone``), and a flat end priced every
+    forward past the table the same, so that in a batch (``beside``) a tree of any size beside
+    seven other requests looked free."""
     if not table:
         return 0.0
     if n in table:
@@ -189,8 +193,9 @@ def _at(table: dict[int, float], n: int) -> float:
     known = sorted(table)
     lo = max((k for k in known if k < n), default=known[0])
     hi = min((k for k in known if k > n), default=known[-1])
-    if hi == lo:  # beyond the table: extend its last slope
-        a, b = known[-2:] if len(known) > 1 else (known[-1], known[-1])
+    if hi == lo:  # beyond the table
+        b = known[-1]
+        a = max((k for k in known if k <= b / 2), default=known[0])
         slope = (table[b] - table[a]) / (b - a) if b != a else 0.0
         return table[hi] + slope * (n - hi)
     w = (n - lo) / (hi - lo)
