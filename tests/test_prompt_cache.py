@@ -180,3 +180,22 @@ def test_a_draft_model_keeps_what_it_read_of_the_last_turn(smol):
         runs[keep] = [engine.generate(turn, 24).token_ids, engine.generate(turn, 24, SAMPLING).token_ids]
     assert runs[True] == runs[False]
     assert read[True] < read[False] - len(smol.engine("ar").encode(TURN))
+
+
+def test_two_streams_of_one_engine_interleaved_keep_their_own_caches(smol):
+    """A request's cache goes back to the engine only when it ends: a second request that starts
+    while the first still streams decodes in a cache of its own, and both answer as alone."""
+    cached, whole = engines(smol, "ar")
+    prompts = [TURN, [{"role": "user", "content": "Name three rivers of Europe."}]]
+    alone = [whole.generate(p, 24).token_ids for p in prompts]
+    cached.generate(TURN, 8)  # something in the cache to start from
+    streams = [cached.stream(p, 24) for p in prompts]
+    results = [None, None]
+    while any(r is None for r in results):
+        for i, stream in enumerate(streams):
+            if results[i] is None:
+                try:
+                    next(stream)
+                except StopIteration as done:
+                    results[i] = done.value
+    assert [r.token_ids for r in results] == alone

@@ -333,8 +333,9 @@ class Decoder:
             if new:
                 yield new
             if seq.finish:
-                if self.prompt_cache:
-                    self._retained = seq.retained()
+                if self.prompt_cache:  # the cache goes back for the next request only now: a run
+                    # interleaved with this one (two streams of one engine) gets a cache of its own
+                    self._cache, self._retained = seq.cache, seq.retained()
                 return seq.result()
             seq.verify_alone(seq.propose())
 
@@ -355,8 +356,6 @@ class Decoder:
             seq.resume(retained, n)
         else:
             seq.cache.truncate(0)
-        if self.prompt_cache:
-            self._cache = seq.cache
 
 
 _SOURCE_NAMES = {DRAFT: "draft", LOOKUP: "lookup", DRAFT | LOOKUP: "both"}
