@@ -93,6 +93,7 @@ class DraftProposer(RequestHead, Proposer):
         self._answer_rows = 0  # tokens of the answer among them
         self.cache = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending_count = 0  # their rows (asked for every cycle by cost-aware drafting)
         self.draft_forwards = 0
         self._sampling: tuple[SamplingParams, torch.Generator] | None = None
 
@@ -101,7 +102,7 @@ class DraftProposer(RequestHead, Proposer):
         as the proposer was built; cost measurements on random prompts turn it off)."""
         # scratch room for the tree's forwarded nodes after the committed pairs
         self.cache = self.draft.new_cache(max_len + self.budget.depth * self.budget.top_k + 1)
-        self._pending = []
+        self._pending, self._pending_count = [], 0
         self.draft_forwards = 0
         self._head = None
         self._own_tokens = self.prompt_vocab if prompt_vocab is None else prompt_vocab
@@ -121,12 +122,13 @@ class DraftProposer(RequestHead, Proposer):
         # kept as the target gave them: the mid-layer map (``input_features``) runs once over all
         # pending rows when the draft next catches up, not on each plain step before that
         self._pending.append((features, next_tokens))
+        self._pending_count += features.shape[0]
 
     @property
     def pending_rows(self) -> int:
         """Committed positions the next proposal catches up on first (of a prompt, its last
         ``PROMPT_WINDOW``)."""
-        rows = sum(f.shape[0] for f, _ in self._pending)
+        rows = self._pending_count
         return min(rows, PROMPT_WINDOW) if self.cache is not None and self.cache.length == 0 else rows
 
     # ------------------------------------------------------------------ candidates
@@ -213,7 +215,7 @@ class DraftProposer(RequestHead, Proposer):
         rows = self.pending_rows  # of a prompt, its last PROMPT_WINDOW positions
         feats = torch.cat([f for f, _ in self._pending])[-rows:]
         toks = torch.cat([t for _, t in self._pending])[-rows:]
-        self._pending = []
+        self._pending, self._pending_count = [], 0
         feats = self.draft.input_features(feats)
         m = feats.shape[0]
         if m > SMALL_ROWS:  # a prompt, or a long run of plain steps: only the newest row attends
