@@ -1,5 +1,6 @@
 """The benchmark runner and tuner on a tiny model (behaviour, not timing)."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -335,6 +336,11 @@ def test_concurrency_bench_reports_levels_against_one_at_a_time(tmp_path, tiny_c
     assert summary["first_token"]["ar"]["prompt_tokens"] <= 200 and summary["first_token"]["ar"]["running"] == 2
     table = concurrency_table(json.load(open(tmp_path / "out" / "concurrency.json")))
     assert "| jakiro | 3 |" in table and "first token" in table
+    cached = run_concurrency(dataclasses.replace(cfg, prompt_cache=True), [1, 3], progress=False)
+    assert set(cached["methods"]) == {"ar", "jakiro", "ar (prompt cache)", "jakiro (prompt cache)"}
+    for label in ("ar (prompt cache)", "jakiro (prompt cache)"):  # the same answers (a Hugging Face folder's
+        # prompts never come from the cache: tests/test_prompt_cache.py measures reuse on a GGUF target)
+        assert all(row["same_as_alone"] and "cached_prompt_tokens" in row for row in cached["methods"][label].values())
     with pytest.raises(JakiroError, match="positive integers"):
         parse_levels("0,2")
     with pytest.raises(JakiroError, match="3 questions for 4 concurrent"):

@@ -44,16 +44,19 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True, runtime: Runt
     prompts = [q["turns"][0] for q in questions]
     if len(prompts) < max(levels):
         raise JakiroError(f"{len(prompts)} questions for {max(levels)} concurrent requests: take more questions")
-    jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime, prompt_cache=cfg.prompt_cache)
-    engines = {m: jk.add_method(m, draft=cfg.drafts.get(m.removesuffix("+pld")), draft_model=cfg.draft_model)
-               for m in methods}
+    jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime, prompt_cache=False)
+    # with --prompt-cache each method also runs as the server does, "METHOD (prompt cache)", in the same rounds
+    variants = [(m, False) for m in methods] + [(m, True) for m in methods if cfg.prompt_cache]
+    engines = {(f"{m} {CACHED}" if cached else m): jk.add_method(m, draft=cfg.drafts.get(m.removesuffix("+pld")),
+                                                               draft_model=cfg.draft_model, prompt_cache=cached)
+               for m, cached in variants}
     sampling = SamplingParams(cfg.temperature, seed=cfg.seed) if cfg.temperature > 0 else None
     for engine in engines.values():  # warm-up
         engine.generate_batch(prompts[:2], 8, sampling, parallel=2)
-    rows: dict[str, dict[str, dict]] = {m: {} for m in methods}
+    rows: dict[str, dict[str, dict]] = {m: {} for m in engines}
     for n in levels:  # each level over every method before the next: drift hits all alike
-        for m in methods:
-            rows[m][str(n)] = _level(engines[m], prompts, cfg.max_new_tokens, sampling, n,
+        for m, engine in engines.items():
+            rows[m][str(n)] = _level(engine, prompts, cfg.max_new_tokens, sampling, n,
                                      rows[m]["1"]["token_ids"] if n > 1 else None)
             if progress:
                 print(f"[concurrency] {m} N={n}: {rows[m][str(n)]['tokens_per_s']:.1f} tokens/s", flush=True)
@@ -61,11 +64,12 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True, runtime: Runt
     background = [engines["ar"].encode(p) for p in prompts[:max(levels) - 1]]
     first_token = {}
     for m in methods:  # a 200-token prompt arriving at an idle engine, and while N - 1 others decode
+        # (a fresh batch: its slots hold nothing for the prompt cache to offer)
         idle = statistics.median(_first_token_s(engines[m], [], probe, max(levels)) for _ in range(3))
         loaded = statistics.median(_first_token_s(engines[m], background, probe, max(levels)) for _ in range(3))
         first_token[m] = {"prompt_tokens": len(probe), "running": len(background), "idle_s": idle,
                           "loaded_s": loaded, "ratio": loaded / idle}
-    for m in methods:
+    for m in engines:
         one, plain = rows[m]["1"]["tokens_per_s"], rows["ar"]["1"]["tokens_per_s"]
         for row in rows[m].values():
             row.pop("token_ids", None)
@@ -102,6 +106,7 @@ def _level(engine, prompts: list[str], max_new_tokens: int, sampling, n: int, al
 
 
 PROBE_TOKENS = 200
+CACHED = "(prompt cache)"  # the label's suffix of a method measured with the prompt cache
 
 
 def _probe_prompt(engine, prompts: list[str], tokens: int) -> list[int]:

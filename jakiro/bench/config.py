@@ -29,8 +29,9 @@ class BenchConfig:
                           "steadier speedups on a shared machine, same tokens")
     draft_model: str | None = opt(None, "the small model of the draft-model methods (default: the named "
                                         "target's own)")
-    prompt_cache: bool = opt(False, "with --concurrency: requests start from what the last request in their slot "
-                             "left in the KV cache where their prompts start the same way, as serve does (default: "
-                             "every prompt prefilled whole, as llama.cpp's server with cache_prompt false)")
+    prompt_cache: bool = opt(False, "with --concurrency: also measure each method, in the same rounds, as serve runs "
+                             "it: a request starts from what the last request in its slot left in the KV cache where "
+                             "their prompts start the same way (without it every prompt is prefilled whole, as "
+                             "llama.cpp's server with cache_prompt false)")
     int8_activations: bool = False  # the loaded target's input mode (``run_bench`` sets it)
     quantized_weights: bool = False  # whether it streams a GGUF file's blocks (likewise)
