@@ -201,9 +201,8 @@ class Sequence:
         n = min(self.exact, len(self.context))
         if n == 0:
             return None
-        feats = torch.cat(self._kept_feats)[:n] if self.proposer.needs_features and self._kept_feats else None
-        if self.proposer.needs_features and (feats is None or feats.shape[0] < n):
-            return None
+        # the kept features cover every exact entry (``_kept`` adds them as the entries grow)
+        feats = torch.cat(self._kept_feats)[:n] if self.proposer.needs_features else None
         return Retained(self.context[:n], feats)
 
     def advance(self) -> list[int]:
