@@ -89,6 +89,33 @@ def test_packed_kernels_stay_within_their_rounding_and_keep_rows_independent(kin
 
 
 @needs_kernel
+@pytest.mark.parametrize("mode", ["int8", "three_bytes"])
+def test_prefetch_distances_change_no_result(mode):
+    """How far ahead the integer kernels prefetch their weights (``set_prefetch``) is timing only:
+    K-quant and Q8_0/Q4_1 blocks give bitwise the same outputs with no prefetch, the near stream
+    alone or both; distances that are not whole cache lines are refused."""
+    from jakiro.models import quant
+    from test_quant import quantized_matrix
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(5))
+    kq = smallgemm.kq_pack(torch.from_numpy(random_blocks(T.Q4_K, 48, 512, seed=6)))
+    raw, _ = quantized_matrix("q4_1", 48, 512, seed=7)
+    q41 = smallgemm.tile_layout(quant.pack_blocks(raw, "q4_1", 48, 512)) if smallgemm.int8_enabled() else None
+    default = smallgemm.set_prefetch(0, 0)
+    try:
+        outputs = {}
+        for setting in ((0, 0), (2048, 0), (2048, 16384), (64, 1 << 20)):
+            smallgemm.set_prefetch(*setting)
+            outputs[setting] = [_linear(x, w, 48, mode) for w in (kq, q41) if w is not None]
+        first = outputs[(0, 0)]
+        assert all(torch.equal(a, b) for out in outputs.values() for a, b in zip(out, first))
+        with pytest.raises(RuntimeError, match="multiples of 64"):
+            smallgemm.set_prefetch(100, 0)
+    finally:
+        smallgemm.set_prefetch(*default)
+    assert default == (2048, 16384)
+
+
+@needs_kernel
 def test_the_packed_layout_holds_about_the_files_bytes():
     for kind, most in ((T.Q4_K, 1.03), (T.Q6_K, 1.0), (T.Q5_0, 1.34), (T.Q2_K, 1.0), (T.Q3_K, 1.04), (T.Q5_K, 1.03)):
         raw = random_blocks(kind, 64, 1024)

@@ -139,6 +139,14 @@ def quantized_linear(x: torch.Tensor, blocks: torch.Tensor, out_features: int, i
     return torch.ops.jakiro_smallgemm.quantized_linear(x, blocks, out_features, input_bytes)
 
 
+def set_prefetch(l1: int, l2: int) -> tuple[int, int]:
+    """Set how far ahead (bytes) the integer kernels prefetch their weights into L1 and L2 (0:
+    not at all), for this process; returns the previous distances. For side-by-side
+    measurements (docs/experiments/prefetch_ab.py): results do not depend on them."""
+    available()
+    return tuple(torch.ops.jakiro_smallgemm.set_prefetch(l1, l2))
+
+
 def weight_buffer(n: int) -> torch.Tensor:
     """``n`` float32 zeros on the memory pages the kernels' weights are laid out in (2 MiB pages
     where the OS allows them): a buffer timed against the weights reads memory as they do."""

@@ -144,6 +144,7 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums, int64_t
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BB;
+    jakiro::prefetch_weights(blk, BB);  // the weights ahead (kernels.h)
     const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(blk));
     __m512i q[8];
     if constexpr (Q4) {

@@ -592,12 +592,6 @@ inline __m512 sums(const uint8_t* u, int64_t K, const __m512i* q, __m512i offset
                          _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[1]), _mm512_set1_ps(256.0f), _mm512_cvtepi32_ps(s[2])));
 }
 
-// bytes ahead: on the development CPU (Emerald Rapids, 2 threads, a 1.5B model's Q4_K/Q6_K one-token
-// forward against reading its weights once) 2048 gave 1.29x that floor, 1024 1.34x, 3072 1.37x
-// and 4096 1.54x (a line one 4 KiB page ahead lands in the L1 set being read); into L2 only
-// (_MM_HINT_T2) 4096-16384 gave 1.31-1.34x
-constexpr int64_t PREFETCH = 2048;
-
 // rows [0, RR) of the prepared inputs against one group of 16 columns; y[r][0..cols)
 template <int ID, int RR, int P>
 void rows_block(const uint8_t* u, const float* scale, const float* sums32, const float* sums16, int64_t K,
@@ -616,10 +610,9 @@ void rows_block(const uint8_t* u, const float* scale, const float* sums32, const
 #pragma GCC unroll 8
     for (int j = 0; j < QK / QB; ++j) {
       const int64_t b = sb * (QK / QB) + j;
-      // the weights PREFETCH bytes ahead, a share per block of 32 inputs: one read stream per
-      // thread otherwise leaves the memory system idle between its misses
-      for (int64_t line = 0; line < LB / (QK / QB); line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(o + PREFETCH + j * (LB / (QK / QB)) + line), _MM_HINT_T0);
+      // the weights ahead (kernels.h), a share per block of 32 inputs: one read stream per thread
+      // otherwise leaves the memory system idle between its misses
+      jakiro::prefetch_weights(o + j * (LB / (QK / QB)), LB / (QK / QB));
       __m512i q[8];
       T::codes(o, j, q);
       __m512 D[2], M[2];

@@ -499,13 +499,28 @@ at::Tensor weight_buffer(int64_t n) { return jakiro::weight_empty({n}, at::Tenso
 bool amx_usable() { return jakiro::amx_usable(); }
 bool int8_usable() { return jakiro::int8_usable(); }
 
+// the integer kernels' prefetch distances (kernels.h), set for side-by-side measurements in one
+// process; returns the previous ones
+std::vector<int64_t> set_prefetch(int64_t l1, int64_t l2) {
+  TORCH_CHECK(l1 >= 0 && l2 >= 0 && l1 % 64 == 0 && l2 % 64 == 0, "prefetch distances are multiples of 64 bytes");
+  std::vector<int64_t> previous = {jakiro::prefetch_l1, jakiro::prefetch_l2};
+  jakiro::prefetch_l1 = l1;
+  jakiro::prefetch_l2 = l2;
+  return previous;
+}
+
 }  // namespace
+
+namespace jakiro {
+int64_t prefetch_l1 = 2048, prefetch_l2 = 16384;
+}  // namespace jakiro
 
 TORCH_LIBRARY(jakiro_smallgemm, m) {
   m.def("pack(Tensor weight) -> Tensor", pack);
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor", linear);
   m.def("quantized_linear(Tensor x, Tensor blocks, int n, int input_bytes=3) -> Tensor", quantized_linear);
   m.def("weight_buffer(int n) -> Tensor", weight_buffer);
+  m.def("set_prefetch(int l1, int l2) -> int[]", set_prefetch);
   m.def("amx_usable() -> bool", amx_usable);
   m.def("int8_usable() -> bool", int8_usable);
   m.def("amx_pack(Tensor blocks) -> Tensor", jakiro::amx_pack);
