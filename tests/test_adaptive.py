@@ -532,3 +532,36 @@ def test_in_a_batch_a_tree_is_priced_by_what_it_adds_to_the_batched_forward():
     beside_seven = flat_end.beside(7)
     assert beside_seven.target(9) == pytest.approx(83.0 + 7 * (83.0 - 49.6) / 5 - flat_end.target(7))  # 16 rows
     assert beside_seven.target(9) > 5 * beside_seven.target(1)
+
+
+def test_a_batch_prices_trees_by_forwards_measured_up_to_its_size(tiny, monkeypatch):
+    """A table measured for one request's trees (prompt lookup: up to 7 tokens) does not reach a
+    batch's forwards: ``BatchDecoder`` has the proposer measure every size up to ``slots - 1``
+    plain rows plus a whole tree in the same rounds, once, before the requests fork it. Beside
+    other requests trees are priced by it; alone, by the table as it was; a batch of one
+    measures nothing."""
+    from jakiro.decoding import costs as cost_module
+    from jakiro.decoding.batch import BatchDecoder
+    root, target, tok, prompts, reference = tiny
+    table = CostTable({1: 1.0, 2: 1.2, 4: 1.5, 7: 2.0}, {}, context=16)
+    proposer = AdaptiveProposer(None, target, table, lookup=PromptLookupProposer(num_tokens=6))
+    assert proposer.max_tree_tokens == 7
+    engine = Engine(target, tok, proposer)
+    measured = []
+    real = cost_module.forward_ms
+    monkeypatch.setattr(cost_module, "forward_ms", lambda *a, **k: measured.append(a[3]) or real(*a, **k))
+    BatchDecoder(engine.decoder, 1)
+    assert not measured
+    batch = BatchDecoder(engine.decoder, 8)
+    assert measured and all(m == [1, 2, 4, 8, 14] for m in measured)
+    priced = proposer._batch_costs
+    assert sorted(priced.target_ms) == [1, 2, 4, 8, 14] and priced.draft_ms == table.draft_ms
+    assert list(priced.target_ms.values()) == sorted(priced.target_ms.values())
+    BatchDecoder(engine.decoder, 8)  # measured already: nothing more
+    assert len(measured) == cost_module.BATCH_ROUNDS
+    proposer.in_batch(7)
+    assert proposer.costs.target(3) == pytest.approx(priced.target(10) - priced.target(7))
+    proposer.in_batch(0)
+    assert proposer.costs is table
+    seq = batch.add(prompts[0], 4)
+    assert seq.proposer is not proposer and seq.proposer._batch_costs is priced  # the forks share it

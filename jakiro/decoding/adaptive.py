@@ -37,7 +37,9 @@ import math
 
 import torch
 
-from .costs import CostTable, cost_store_path, measure_costs  # noqa: F401 (CostTable: imported from here too)
+from .costs import CostTable, cost_store_path, measure_costs
+from .costs import for_batch as batch_costs
+from ..models.linear import SMALL_ROWS
 from .proposers import PromptLookupProposer, Proposer
 from .draft_proposer import DraftProposer
 from .tree import DRAFT, LOOKUP, Tree, add_chain, build_tree, chain_tree, kept_proposals
@@ -90,6 +92,7 @@ class AdaptiveProposer(Proposer):
             store = cost_store_path(target, inner, self.max_tree_tokens, cache_dir) if keep_costs else None
             costs = measure_costs(target, inner, max_tree_tokens=self.max_tree_tokens, store=store)
         self.costs = self._own_costs = costs  # ``costs``: as they apply now (``in_batch``)
+        self._batch_costs: CostTable | None = None  # the forwards of a batch (``for_batch``)
         self.name = inner.name + ("+pld" if lookup else "") if inner else lookup.name
         self.needs_features = inner is not None
         self.aux_layers = inner.aux_layers if inner else ()
@@ -135,9 +138,16 @@ class AdaptiveProposer(Proposer):
         if self.inner:
             self.inner.set_sampling(params, generator)
 
+    def for_batch(self, slots: int) -> None:
+        # beside slots - 1 plain rows, a whole tree; measured once per engine, shared by the forks
+        rows = slots - 1 + self.max_tree_tokens
+        if self._own_costs is not None and slots > 1 and (
+                self._batch_costs is None or max(self._batch_costs.target_ms) < min(rows, SMALL_ROWS)):
+            self._batch_costs = batch_costs(self._own_costs, self.target, rows)
+
     def in_batch(self, rows: int) -> None:
         if self.costs is not None:
-            self.costs = self._own_costs.beside(rows)
+            self.costs = (self._batch_costs or self._own_costs).beside(rows) if rows else self._own_costs
 
     def observe(self, features: torch.Tensor, next_tokens: torch.Tensor) -> None:
         if self.inner:

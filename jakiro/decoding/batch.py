@@ -55,6 +55,7 @@ class BatchDecoder:
         self.slot_tokens = min(slot_tokens or min(ctx, 4096), ctx)
         self.decoder, self.target = decoder, target
         self.prefill_piece = prefill_piece
+        decoder.proposer.for_batch(slots)  # before the requests' forks: they share its cost table
         self.cache = target.new_batch_cache(slots, self.slot_tokens, scratch=decoder.proposer.max_tree_tokens)
         self._free = list(range(slots))
         self._retained: list[Retained | None] = [None] * slots  # per slot, with the prompt cache

@@ -31,6 +31,10 @@ class Proposer:
         """The next proposal will be verified beside ``rows`` tokens of other requests in one
         forward (``batch``; 0: alone): a proposer that sizes its trees by cost prices them so."""
 
+    def for_batch(self, slots: int) -> None:
+        """A batch of up to ``slots`` requests will fork this proposer (``batch``): a proposer
+        that prices its trees by cost makes its table cover the batch's forwards."""
+
     def fork(self) -> "Proposer":
         """A proposer for another request decoded alongside this one's (``batch``): the same
         weights, tables and settings, its own request state. Proposers inside it are forked
