@@ -48,12 +48,13 @@ inline at::Tensor weight_empty(at::IntArrayRef sizes, at::TensorOptions options)
 // bytes ahead into L2 (0: none). Without the far stream a forward over a few rows (a tree, a
 // batch, a prompt's piece) took about the time to read its weights plus the time to compute on
 // them, one after the other. Two Zen 4 cores, int8 inputs, medians of 8 rounds alternating the
-// settings in one process (docs/experiments/prefetch_ab.py): every matrix of Qwen2.5-Coder-1.5B
-// Q4_K_M, 1 / 8 / 32 rows, 31.0 / 60.1 / 169.7 ms with the near stream alone, 22.5 / 40.4 /
-// 148.0 ms with both (8,192-24,576 bytes ahead within 5 % of each other); SmolLM2-135M's Q4_1
-// and Q8_0 blocks, 1 / 4 / 8 rows, 4.5 / 8.3 / 11.7 ms with no prefetch, 3.8 / 4.8 / 5.8 with
-// the near stream alone, 3.6 / 3.7 / 4.9 with both. The near distance, on Emerald Rapids (the
-// 1.5B's one-token forward against reading its weights once): 2048 bytes 1.29x that floor, 1024
+// settings in one process (docs/experiments/prefetch_ab.py): Qwen2.5-Coder-1.5B Q4_K_M's forward
+// over 1 / 8 / 32 rows 27.0 / 42.4 / 119.9 ms with the near stream alone, 24.2 / 37.9 / 122.3 ms
+// with both (every matrix alone, in another run: 31.0 / 60.1 / 169.7 against 22.5 / 40.4 / 148.0
+// ms; 8-24 KiB ahead within 5 % of each other); SmolLM2-135M's Q4_1 and Q8_0 blocks, 1 / 4 / 8
+// rows, 3.7 / 5.3 / 7.5 ms with no prefetch, 3.1 / 4.2 / 5.3 with the near stream alone, 3.3 /
+// 3.8 / 4.8 with both. The near distance, on Emerald Rapids (the 1.5B's one-token forward against
+// reading its weights once): 2048 bytes 1.29x that floor, 1024
 // 1.34x, 3072 1.37x, 4096 1.54x (a line one 4 KiB page ahead lands in the L1 set being read).
 extern int64_t prefetch_l1, prefetch_l2;  // bytes ahead (smallgemm.cpp; ``set_prefetch``)
 
