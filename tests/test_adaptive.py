@@ -536,10 +536,10 @@ def test_in_a_batch_a_tree_is_priced_by_what_it_adds_to_the_batched_forward():
 
 def test_a_batch_prices_trees_by_forwards_measured_up_to_its_size(tiny, monkeypatch):
     """A table measured for one request's trees (prompt lookup: up to 7 tokens) does not reach a
-    batch's forwards: ``BatchDecoder`` has the proposer measure every size up to ``slots - 1``
-    plain rows plus a whole tree in the same rounds, once, before the requests fork it. Beside
-    other requests trees are priced by it; alone, by the table as it was; a batch of one
-    measures nothing."""
+    batch's forwards: the first ``BatchDecoder`` of more than one slot has the proposer measure
+    every size up to ``SMALL_ROWS`` in the same rounds, once per engine, before the requests fork
+    it. Beside other requests trees are priced by it; alone, by the table as it was; a batch of
+    one measures nothing."""
     from jakiro.decoding import costs as cost_module
     from jakiro.decoding.batch import BatchDecoder
     root, target, tok, prompts, reference = tiny
@@ -553,11 +553,11 @@ def test_a_batch_prices_trees_by_forwards_measured_up_to_its_size(tiny, monkeypa
     BatchDecoder(engine.decoder, 1)
     assert not measured
     batch = BatchDecoder(engine.decoder, 8)
-    assert measured and all(m == [1, 2, 4, 8, 14] for m in measured)
+    assert measured and all(m == [1, 2, 4, 8, 16, 32] for m in measured)
     priced = proposer._batch_costs
-    assert sorted(priced.target_ms) == [1, 2, 4, 8, 14] and priced.draft_ms == table.draft_ms
+    assert sorted(priced.target_ms) == [1, 2, 4, 8, 16, 32] and priced.draft_ms == table.draft_ms
     assert list(priced.target_ms.values()) == sorted(priced.target_ms.values())
-    BatchDecoder(engine.decoder, 8)  # measured already: nothing more
+    BatchDecoder(engine.decoder, 16)  # measured already, for any batch: nothing more
     assert len(measured) == cost_module.BATCH_ROUNDS
     proposer.in_batch(7)
     assert proposer.costs.target(3) == pytest.approx(priced.target(10) - priced.target(7))

@@ -139,11 +139,10 @@ class AdaptiveProposer(Proposer):
             self.inner.set_sampling(params, generator)
 
     def for_batch(self, slots: int) -> None:
-        # beside slots - 1 plain rows, a whole tree; measured once per engine, shared by the forks
-        rows = slots - 1 + self.max_tree_tokens
-        if self._own_costs is not None and slots > 1 and (
-                self._batch_costs is None or max(self._batch_costs.target_ms) < min(rows, SMALL_ROWS)):
-            self._batch_costs = batch_costs(self._own_costs, self.target, rows)
+        # once per engine, every size up to the one-call stack's largest, whatever the batch:
+        # measured again for each larger batch, the table cost a benchmark level its first seconds
+        if self._own_costs is not None and slots > 1 and self._batch_costs is None:
+            self._batch_costs = batch_costs(self._own_costs, self.target, SMALL_ROWS)
 
     def in_batch(self, rows: int) -> None:
         if self.costs is not None:
