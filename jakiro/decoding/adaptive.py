@@ -37,8 +37,7 @@ import math
 
 import torch
 
-from .costs import CostTable, cost_store_path, measure_costs
-from .costs import for_batch as batch_costs
+from .costs import CostTable, batch_costs, cost_store_path, measure_costs
 from ..models.linear import SMALL_ROWS
 from .proposers import PromptLookupProposer, Proposer
 from .draft_proposer import DraftProposer
@@ -92,7 +91,7 @@ class AdaptiveProposer(Proposer):
             store = cost_store_path(target, inner, self.max_tree_tokens, cache_dir) if keep_costs else None
             costs = measure_costs(target, inner, max_tree_tokens=self.max_tree_tokens, store=store)
         self.costs = self._own_costs = costs  # ``costs``: as they apply now (``in_batch``)
-        self._batch_costs: CostTable | None = None  # the forwards of a batch (``for_batch``)
+        self._batch_costs: CostTable | None = None  # the forwards of a batch (``batch_costs``)
         self.name = inner.name + ("+pld" if lookup else "") if inner else lookup.name
         self.needs_features = inner is not None
         self.aux_layers = inner.aux_layers if inner else ()

@@ -252,11 +252,11 @@ def _store_rounds(store: str, rounds: list[dict]) -> None:
         pass
 
 
-BATCH_ROUNDS = 3  # rounds of a batch's forward costs (``for_batch``)
+BATCH_ROUNDS = 3  # rounds of a batch's forward costs (``batch_costs``)
 
 
 @torch.inference_mode()
-def for_batch(table: CostTable, target, rows: int, rounds: int = BATCH_ROUNDS) -> CostTable:
+def batch_costs(table: CostTable, target, rows: int, rounds: int = BATCH_ROUNDS) -> CostTable:
     """``table`` with the target's forwards measured anew up to ``rows`` tokens (at most
     ``SMALL_ROWS``; past that ``_at`` extends the slope of the table's last half), every size in
     the same rounds, for pricing trees beside other requests (``CostTable.beside``). A table

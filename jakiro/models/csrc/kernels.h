@@ -44,8 +44,8 @@ inline at::Tensor weight_empty(at::IntArrayRef sizes, at::TensorOptions options)
 }
 
 // Software prefetch of a weight stream, issued for each piece of ``bytes`` the integer kernels
-// are about to read: the lines ``prefetch_l1`` bytes ahead into L1 and those ``prefetch_l2``
-// bytes ahead into L2 (0: none). Without the far stream a forward over a few rows (a tree, a
+// are about to read: the lines ``prefetch_l1`` bytes ahead into L1 (0: the lines themselves,
+// about to be read anyway) and those ``prefetch_l2`` bytes ahead into L2 (0: none). Without the far stream a forward over a few rows (a tree, a
 // batch, a prompt's piece) took about the time to read its weights plus the time to compute on
 // them, one after the other. Two Zen 4 cores, int8 inputs, medians of 8 rounds alternating the
 // settings in one process (docs/experiments/prefetch_ab.py): Qwen2.5-Coder-1.5B Q4_K_M's forward
@@ -54,8 +54,8 @@ inline at::Tensor weight_empty(at::IntArrayRef sizes, at::TensorOptions options)
 // ms; 8-24 KiB ahead within 5 % of each other); SmolLM2-135M's Q4_1 and Q8_0 blocks, 1 / 4 / 8
 // rows, 3.7 / 5.3 / 7.5 ms with no prefetch, 3.1 / 4.2 / 5.3 with the near stream alone, 3.3 /
 // 3.8 / 4.8 with both. The near distance, on Emerald Rapids (the 1.5B's one-token forward against
-// reading its weights once): 2048 bytes 1.29x that floor, 1024
-// 1.34x, 3072 1.37x, 4096 1.54x (a line one 4 KiB page ahead lands in the L1 set being read).
+// reading its weights once): 2048 bytes 1.29x that floor, 1024 1.34x, 3072 1.37x, 4096 1.54x
+// (a line one 4 KiB page ahead lands in the L1 set being read).
 extern int64_t prefetch_l1, prefetch_l2;  // bytes ahead (smallgemm.cpp; ``set_prefetch``)
 
 inline void prefetch_weights(const uint8_t* p, int64_t bytes) {
