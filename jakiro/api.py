@@ -151,8 +151,11 @@ class Jakiro:
         path = resolve_target(draft_model, self.cache_dir)
         from .models.gguf_file import is_gguf_folder
         # a draft's proposals need not be exact: int8 inputs where the file and the CPU allow them
-        int8 = is_gguf_folder(path) and smallgemm.available() and smallgemm.int8_activations_usable()
-        model = TargetModel.from_folder(path, Runtime(quantized=True, int8_activations=int8))
+        blocks = is_gguf_folder(path) and smallgemm.available()
+        int8 = blocks and smallgemm.int8_activations_usable()
+        # and the target's kind of KV cache where the kernels run it
+        kv = self.target.runtime.kv_cache if blocks else "float32"
+        model = TargetModel.from_folder(path, Runtime(quantized=True, int8_activations=int8, kv_cache=kv))
         check_same_tokenizer(self.tokenizer, load_tokenizer(path), self.target.config.vocab_size,
                              model.config.vocab_size, os.path.basename(path))
         return DraftModelProposer(model, num_tokens=budget.depth if budget else 5, lookup=lookup,

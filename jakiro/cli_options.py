@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .bench.config import BenchConfig
-from .settings import DecodeSettings, MethodSettings, Runtime, ServeSettings, cli_fields
+from .settings import KV_CACHE_TYPES, DecodeSettings, MethodSettings, Runtime, ServeSettings, cli_fields
 from .train.config import DataConfig, TrainConfig
 
 
@@ -57,7 +57,8 @@ def runtime_from(args) -> Runtime:
                             quantized=True if getattr(args, "quantized", False) else
                             False if getattr(args, "float32", False) else None,
                             int8_activations=True if getattr(args, "int8_activations", False) else
-                            False if getattr(args, "float32_inputs", False) else None)
+                            False if getattr(args, "float32_inputs", False) else None,
+                            kv_cache=getattr(args, "kv_cache", None))
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -82,6 +83,12 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                         help="the GGUF blocks take float32-accurate inputs: logits within float32 rounding of the "
                              "float32 weights' (Hugging Face's), forwards slower (the default when "
                              "$JAKIRO_INT8_ACTIVATIONS=0)")
+    p.add_argument("--kv-cache", choices=KV_CACHE_TYPES,
+                   help="how the target's KV cache holds keys and values: float16 halves the memory each "
+                        "token of context takes and the bytes a long context costs every new token (GGUF targets "
+                        "run from their blocks; greedy text is that computation's, every method sharing it); "
+                        "default: $JAKIRO_KV_CACHE, else float16 with int8 inputs (as llama.cpp computes) and "
+                        "float32 with float32-accurate ones")
 
 
 def _add_method_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:

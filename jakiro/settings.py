@@ -32,6 +32,9 @@ def cli_fields(cls, skip: tuple[str, ...] = ()) -> list[tuple[str, str, object, 
     return out
 
 
+KV_CACHE_TYPES = ("float32", "float16")
+
+
 def _at_least(cfg, minimum, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(cfg, name)
@@ -55,17 +58,23 @@ def _env_switch(name: str) -> bool | None:
 class Runtime:
     """How a process computes: passed to ``jakiro.load`` and ``TargetModel.from_folder`` (and from
     there to the kernels). ``from_env`` reads the defaults: ``JAKIRO_THREADS``,
-    ``JAKIRO_QUANTIZED`` and ``JAKIRO_INT8_ACTIVATIONS``."""
+    ``JAKIRO_QUANTIZED``, ``JAKIRO_INT8_ACTIVATIONS`` and ``JAKIRO_KV_CACHE``."""
     threads: int | None = None  # torch CPU threads (None: torch's choice)
     quantized: bool = True  # a GGUF target streams its own blocks (False: a float32 copy of its weights)
     int8_activations: bool | None = None  # the blocks take int8 inputs (None: where the CPU has the kernels)
+    # how the target's KV cache holds keys and values: "float32", or "float16" (half the memory and
+    # the bytes a long context costs each new token; a GGUF target run from its blocks only); None:
+    # float16 where the inputs are int8 (as llama.cpp computes), float32 with float32-accurate ones
+    kv_cache: str | None = None
 
     def __post_init__(self):
         _at_least(self, 1, ("threads",))
+        if self.kv_cache is not None and self.kv_cache not in KV_CACHE_TYPES:
+            raise JakiroError(f"the KV cache holds {' or '.join(KV_CACHE_TYPES)}, not {self.kv_cache!r}")
 
     @classmethod
     def from_env(cls, threads: int | None = None, quantized: bool | None = None,
-                 int8_activations: bool | None = None) -> "Runtime":
+                 int8_activations: bool | None = None, kv_cache: str | None = None) -> "Runtime":
         """The given choices, else the environment's, else the defaults."""
         env_threads = os.environ.get("JAKIRO_THREADS", "").strip()
         if threads is None and env_threads:
@@ -77,7 +86,9 @@ class Runtime:
             quantized = _env_switch("JAKIRO_QUANTIZED") is not False
         if int8_activations is None:
             int8_activations = _env_switch("JAKIRO_INT8_ACTIVATIONS")
-        return cls(threads, quantized, int8_activations)
+        if kv_cache is None:
+            kv_cache = os.environ.get("JAKIRO_KV_CACHE", "").strip() or None
+        return cls(threads, quantized, int8_activations, kv_cache)
 
     def apply(self) -> "Runtime":
         """Set the process-wide part (torch's thread count); returns self."""

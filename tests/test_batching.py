@@ -39,6 +39,26 @@ def test_batched_greedy_answers_equal_each_answer_alone(smol, method):
         assert sum(t.metrics.committed for t in together) > sum(t.metrics.target_forwards for t in together)
 
 
+def test_a_float16_cache_keeps_batched_answers_equal_to_each_alone(smol):
+    """Keys and values held as float16 (``--kv-cache float16``): each slot takes half the memory,
+    and every request's greedy answer in a batch of trees is still the one it gets alone."""
+    import jakiro
+    from jakiro.api import Jakiro
+    from jakiro.decoding.batch import BatchDecoder
+    from jakiro.settings import Runtime
+    half = jakiro.load(runtime=Runtime.from_env(int8_activations=False, kv_cache="float16"))
+    # the same tree every cycle (cost-aware drafting may draft little on a given machine)
+    engine = Jakiro(half.target, half.tokenizer, half.target_path).add_method("jakiro", adaptive=False)
+    ids = [engine.encode(p) for p in PROMPTS]
+    alone = [engine.decoder.decode(i, 40) for i in ids]
+    batch = BatchDecoder(engine.decoder, 3, slot_tokens=512)
+    exact = BatchDecoder(smol.engine("jakiro").decoder, 3, slot_tokens=512)
+    assert batch.cache.data.dtype == torch.float16 and 2 * batch.kv_bytes == exact.kv_bytes
+    together = batch.decode([(i, 40, None, None) for i in ids])
+    assert [t.token_ids for t in together] == [a.token_ids for a in alone]
+    assert sum(t.metrics.committed for t in together) > sum(t.metrics.target_forwards for t in together)
+
+
 def test_sampled_requests_reproduce_their_seeded_draws_in_a_batch(smol):
     alone = [smol.generate(p, max_new_tokens=32, temperature=0.9, seed=11, method="jakiro") for p in PROMPTS[:3]]
     together = smol.generate_batch(PROMPTS[:3], max_new_tokens=32, temperature=0.9, seed=11, method="jakiro")
@@ -82,6 +102,42 @@ def test_a_request_that_leaves_frees_its_slot_and_the_others_go_on(smol):
     while batch.running:
         got += [t for e in batch.step() if e.sequence is second for t in e.new_ids]
     assert got == alone
+
+
+@pytest.mark.parametrize("kv_cache", ["float32", "float16"])
+def test_trees_of_several_sequences_in_one_forward_give_each_trees_logits_alone(smol, kv_cache):
+    """Three sequences with contexts of different lengths and trees of 6, 1 and 3 rows (rows of
+    one sequence read its keys and values together, up to four at a time): every row's logits
+    are bitwise those of its tree's forward alone."""
+    target = smol.target
+    target.use_kv_cache(kv_cache)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        contexts = [torch.randint(0, 1000, (n,), generator=gen) for n in (90, 40, 130)]
+        trees = [torch.randint(0, 1000, (n,), generator=gen) for n in (6, 1, 3)]
+        masks = [torch.ones(6, 6, dtype=torch.bool).tril_(), torch.ones(1, 1, dtype=torch.bool),
+                 torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)]
+        depths = [torch.arange(6), torch.zeros(1, dtype=torch.long), torch.tensor([0, 1, 1])]
+        batch = target.new_batch_cache(3, 160, scratch=8)
+        alone = []
+        for b, (ctx, tree, mask, depth) in enumerate(zip(contexts, trees, masks, depths)):
+            slot = batch.slot(b)
+            target(ctx, slot, chunked=True)
+            slot.commit(len(ctx))
+            batch.set_length(b, len(ctx))
+            single = target.new_cache(160, scratch=8)
+            single.data[:, :, :, :, :len(ctx)] = slot.data[:, :, :, :, :len(ctx)]
+            single.length = len(ctx)
+            alone.append(target(tree, single, len(ctx) + depth, mask)[0])
+        n = [len(t) for t in trees]
+        logits, _ = target.forward_rows(
+            torch.cat(trees), batch.data, torch.cat([torch.full((k,), b) for b, k in enumerate(n)]),
+            torch.cat([torch.arange(len(c), len(c) + k) for c, k in zip(contexts, n)]),
+            torch.cat([torch.full((k,), len(c)) for c, k in zip(contexts, n)]),
+            torch.cat([len(c) + d for c, d in zip(contexts, depths)]), torch.block_diag(*masks))
+        assert torch.equal(logits, torch.cat(alone))
+    finally:
+        target.use_kv_cache("float32")
 
 
 def test_rows_may_not_see_another_sequence(smol):

@@ -140,6 +140,19 @@ def _load(path, cache, **runtime):
     return TargetModel.from_folder(resolve_target(path, cache=str(cache)), Runtime.from_env(**runtime))
 
 
+def _prompt_steps_tree(model, ids):
+    """The logits of 70 tokens: a prompt of 60, four decoding steps, a causal tree of 6."""
+    cache = model.new_cache(80, scratch=8)
+    logits, _ = model(ids[:60], cache, chunked=True)
+    cache.commit(60)
+    steps = []
+    for i in range(60, 64):
+        steps.append(model(ids[i:i + 1], cache)[0])
+        cache.commit(1)
+    tree, _ = model(ids[64:70], cache, torch.arange(64, 70), torch.ones(6, 6, dtype=torch.bool).tril_())
+    return torch.cat((logits, *steps, tree))
+
+
 @needs_kernel
 @pytest.mark.parametrize("arch", ARCH_SHAPES)
 def test_tiny_gguf_models_give_hugging_faces_logits(tiny_files, arch):
@@ -157,15 +170,7 @@ def test_tiny_gguf_models_give_hugging_faces_logits(tiny_files, arch):
     with torch.no_grad():
         ref32 = hf(ids[None]).logits[0]
         ref = hf.double()(ids[None]).logits[0]  # the same model in float64
-    cache = model.new_cache(80, scratch=8)
-    logits, _ = model(ids[:60], cache, chunked=True)
-    cache.commit(60)
-    steps = []
-    for i in range(60, 64):
-        steps.append(model(ids[i:i + 1], cache)[0])
-        cache.commit(1)
-    tree, _ = model(ids[64:70], cache, torch.arange(64, 70), torch.ones(6, 6, dtype=torch.bool).tril_())
-    ours = torch.cat((logits, *steps, tree)).double()
+    ours = _prompt_steps_tree(model, ids).double()
     # float32 accuracy: no farther from the float64 model than Hugging Face's float32 one (twice its
     # largest error: random weights make small differences grow from layer to layer)
     hf_error = float((ref32.double() - ref).abs().max())
@@ -174,13 +179,15 @@ def test_tiny_gguf_models_give_hugging_faces_logits(tiny_files, arch):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kv_cache", ["float32", "float16"])
 @pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_kq_int8)])
-def test_a_tokens_logits_are_bitwise_the_same_alone_and_in_a_tree(tiny_files, int8):
+def test_a_tokens_logits_are_bitwise_the_same_alone_and_in_a_tree(tiny_files, int8, kv_cache):
     root, files = tiny_files
-    model = _load(files["qwen2"], root, int8_activations=int8)
+    model = _load(files["qwen2"], root, int8_activations=int8, kv_cache=kv_cache)
     assert model.input_bytes == (1 if int8 else 3)
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(2))
     cache = model.new_cache(64, scratch=40)
+    assert cache.data.dtype == (torch.float16 if kv_cache == "float16" else torch.float32)
     model(ids, cache, chunked=True)
     cache.commit(40)
     chain = torch.randint(0, 256, (36,), generator=torch.Generator().manual_seed(3))
@@ -189,6 +196,55 @@ def test_a_tokens_logits_are_bitwise_the_same_alone_and_in_a_tree(tiny_files, in
         single, _ = model(chain[i:i + 1], cache)
         assert torch.equal(single[0], tree[i])
         cache.commit(1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_float16_cache_stays_within_its_rounding_of_the_float32_one(tiny_files, arch):
+    """Keys and values held as float16 (half the bytes a token of context takes): a prompt, steps
+    after it and a tree give the float32 cache's logits within what rounding every cached key and
+    value to float16 (relative 2^-11) moves them through these random layers (measured: 0.6-1e-3
+    of the largest logit; a misplaced or misread entry moves them by its whole size), and the next
+    tokens greedy picks (float32-accurate inputs: int8 ones make any rounding a different
+    computation)."""
+    root, files = tiny_files
+    logits = {}
+    for kind in ("float32", "float16"):
+        model = _load(files[arch], root, kv_cache=kind, int8_activations=False)
+        assert model.runtime.kv_cache == kind
+        assert model.new_cache(8).data.element_size() == (2 if kind == "float16" else 4)
+        logits[kind] = _prompt_steps_tree(model, torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(5)))
+    exact, half = logits["float32"], logits["float16"]
+    assert not torch.equal(exact, half)  # the float16 entries were read
+    assert float((half - exact).abs().max()) <= 5e-3 * float(exact.abs().max())
+    assert torch.equal(half.argmax(-1), exact.argmax(-1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("int8, asked, held", [
+    (False, None, torch.float32), (False, "float16", torch.float16),
+    pytest.param(True, None, torch.float16, marks=needs_kq_int8),
+    pytest.param(True, "float32", torch.float32, marks=needs_kq_int8)])
+def test_the_kv_cache_is_float16_with_int8_inputs_unless_asked(tiny_files, int8, asked, held):
+    """By default keys and values are float16 where the inputs are int8 (llama.cpp's computation)
+    and float32 where they are float32-accurate (Hugging Face's logits within float32 rounding)."""
+    root, files = tiny_files
+    model = _load(files["llama"], root, int8_activations=int8, kv_cache=asked)
+    assert model.new_cache(16).data.dtype == held and model.new_batch_cache(2, 16).data.dtype == held
+    assert model.runtime.kv_cache == str(held).removeprefix("torch.")
+
+
+def test_a_float16_cache_needs_a_target_run_from_its_blocks(tiny_files, tiny_llama_dir):
+    """Only the kernels read float16 entries: a float32 copy of a GGUF file or a Hugging Face
+    folder is refused in one line, as is a cache type that does not exist."""
+    from jakiro.settings import Runtime
+    root, files = tiny_files
+    with pytest.raises(JakiroError, match="float16 KV cache needs a GGUF target run from its own blocks"):
+        _load(files["llama"], root, quantized=False, kv_cache="float16")
+    with pytest.raises(JakiroError, match="float16 KV cache needs a GGUF target"):
+        _load(tiny_llama_dir, root, kv_cache="float16")
+    with pytest.raises(JakiroError, match="KV cache holds float32 or float16, not 'int4'"):
+        Runtime(kv_cache="int4")
 
 
 @needs_kernel

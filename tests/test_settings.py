@@ -12,7 +12,7 @@ from jakiro.settings import DecodeSettings, MethodSettings, Runtime, ServeSettin
 
 
 def test_the_environment_sets_the_runtimes_defaults_and_given_choices_win(monkeypatch):
-    for name in ("JAKIRO_THREADS", "JAKIRO_QUANTIZED", "JAKIRO_INT8_ACTIVATIONS"):
+    for name in ("JAKIRO_THREADS", "JAKIRO_QUANTIZED", "JAKIRO_INT8_ACTIVATIONS", "JAKIRO_KV_CACHE"):
         monkeypatch.delenv(name, raising=False)
     assert Runtime.from_env() == Runtime(None, True, None)
     monkeypatch.setenv("JAKIRO_THREADS", "3")
@@ -22,6 +22,12 @@ def test_the_environment_sets_the_runtimes_defaults_and_given_choices_win(monkey
     assert Runtime.from_env(threads=1, quantized=True, int8_activations=False) == Runtime(1, True, False)
     monkeypatch.setenv("JAKIRO_INT8_ACTIVATIONS", "auto")
     assert Runtime.from_env().int8_activations is None
+    monkeypatch.setenv("JAKIRO_KV_CACHE", "float16")
+    assert Runtime.from_env().kv_cache == "float16" and Runtime.from_env(kv_cache="float32").kv_cache == "float32"
+    monkeypatch.setenv("JAKIRO_KV_CACHE", "half")
+    with pytest.raises(JakiroError, match="the KV cache holds float32 or float16, not 'half'"):
+        Runtime.from_env()
+    monkeypatch.delenv("JAKIRO_KV_CACHE")
     monkeypatch.setenv("JAKIRO_THREADS", "two")
     with pytest.raises(JakiroError, match="JAKIRO_THREADS must be a number, got 'two'"):
         Runtime.from_env()
@@ -37,6 +43,9 @@ def test_the_command_line_passes_its_runtime_choices_in_an_object_not_the_enviro
     args = parser.parse_args(["generate", "--prompt", "x", "--float32-inputs", "--float32", "--threads", "2"])
     assert runtime_from(args) == Runtime(2, False, False)
     assert runtime_from(parser.parse_args(["generate", "--prompt", "x"])) == Runtime(None, True, True)  # the env's
+    assert runtime_from(parser.parse_args(["serve", "--kv-cache", "float32"])).kv_cache == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--kv-cache", "int8"])
     assert dict(os.environ) == before
 
 
@@ -99,4 +108,5 @@ def test_the_api_key_defaults_to_the_environment(monkeypatch):
 def test_a_loaded_target_says_which_runtime_it_runs(tiny_llama_dir):
     from jakiro.models.target import TargetModel
     model = TargetModel.from_folder(tiny_llama_dir, Runtime(threads=None, quantized=True, int8_activations=None))
-    assert model.runtime == Runtime(None, False, False)  # a Hugging Face folder: float weights, float inputs
+    # a Hugging Face folder: float weights, float inputs, float32 keys and values
+    assert model.runtime == Runtime(None, False, False, "float32")

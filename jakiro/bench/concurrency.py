@@ -78,7 +78,7 @@ def run_concurrency(cfg, levels: list[int], progress: bool = True, runtime: Runt
     summary = {"target": os.path.basename(jk.target_path.rstrip("/")), "questions": cfg.questions,
                "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
                "threads": torch.get_num_threads(), "int8_activations": jk.target.int8_activations,
-               "prompt_cache": cfg.prompt_cache,
+               "kv_cache": jk.target.runtime.kv_cache, "prompt_cache": cfg.prompt_cache,
                "levels": levels, "methods": rows, "first_token": first_token}
     os.makedirs(cfg.out, exist_ok=True)
     with open(os.path.join(cfg.out, "concurrency.json"), "w") as f:

@@ -35,3 +35,4 @@ class BenchConfig:
                              "llama.cpp's server with cache_prompt false)")
     int8_activations: bool = False  # the loaded target's input mode (``run_bench`` sets it)
     quantized_weights: bool = False  # whether it streams a GGUF file's blocks (likewise)
+    kv_cache: str = "float32"  # how its KV cache holds keys and values (likewise)

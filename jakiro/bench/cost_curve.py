@@ -35,7 +35,7 @@ def kv_bytes(target, context: int) -> int:
     """Bytes of cached keys and values a forward reads at ``context`` cached tokens (every layer's
     keys and values once; trees re-read them per row)."""
     cfg = target.config
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * target.dtype.itemsize  # as new_cache
+    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * context * target.kv_dtype.itemsize  # as new_cache
 
 
 def floor_buffer(nbytes: int) -> torch.Tensor:
@@ -160,7 +160,8 @@ def kernel_comparison(with_kernel, target_path: str, context: int, repeats: int,
     drift hits all alike); medians over ``rounds``."""
     from ..models.target import TargetModel
     models = {}
-    blocks, floats = (with_kernel.runtime.but(quantized=q, int8_activations=False) for q in (True, False))
+    blocks = with_kernel.runtime.but(int8_activations=False)
+    floats = blocks.but(quantized=False, kv_cache="float32")  # (float32 weights keep float32 entries)
     if with_kernel.quantized_matrices:
         models["quantized"] = with_kernel
         if with_kernel.tile_matrices:
@@ -281,6 +282,7 @@ def run_cost_curve(target_path: str | None, cache_dir: str | None, context: int,
         "quantized_matrices": jk.target.quantized_matrices,
         "tile_matrices": jk.target.tile_matrices,
         "int8_activations": jk.target.int8_activations,
+        "kv_cache": jk.target.runtime.kv_cache,
         "context": context,
         "weights_mb": round(nbytes / 1e6, 1),
         "memory_floor_ms": round(floor, 2),

@@ -82,6 +82,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, runtime: Runtime | None =
     jk = load(cfg.target, cache_dir=cfg.cache_dir, runtime=runtime, prompt_cache=False)  # every prompt whole
     cfg.int8_activations = jk.target.int8_activations
     cfg.quantized_weights = jk.target.quantized_matrices > 0
+    cfg.kv_cache = jk.target.runtime.kv_cache
     os.makedirs(cfg.out, exist_ok=True)
     records, done = _resume(cfg, questions)
     answerer = _Answerer(cfg, jk)
@@ -286,12 +287,14 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
     line per finished question in progress.jsonl); a folder holding another run is refused. The
     number of questions per category may change: a run can be extended to more questions later."""
     settings = {k: v for k, v in cfg.__dict__.items()
-                if k not in ("out", "limit_per_category", "int8_activations", "quantized_weights")}
+                if k not in ("out", "limit_per_category", "int8_activations", "quantized_weights", "kv_cache")}
     settings["threads"] = torch.get_num_threads()
     if cfg.quantized_weights:  # (absent otherwise, as in runs recorded before the option existed)
         settings["quantized_weights"] = True
     if cfg.int8_activations:  # likewise
         settings["int8_activations"] = True
+    if cfg.kv_cache != "float32":  # likewise
+        settings["kv_cache"] = cfg.kv_cache
     if cfg.repeats == 1:  # likewise
         del settings["repeats"]
     if cfg.draft_model is None:  # likewise

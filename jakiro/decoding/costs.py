@@ -219,6 +219,8 @@ def cost_store_path(target, proposer: DraftProposer | None, max_tree_tokens: int
              "threads": torch.get_num_threads(), "target": repr(target.config),
              "streams": [target.quantized_matrices, target.input_bytes, str(target.dtype)],
              "tree_tokens": max_tree_tokens}
+    if getattr(target, "kv_dtype", target.dtype) != target.dtype:  # a float16 cache: cheaper long contexts
+        setup["kv_cache"] = str(target.kv_dtype)
     if proposer is not None:
         setup["draft"] = [repr(proposer.draft.config), proposer.head_vocab, repr(proposer.budget), proposer.mode,
                           proposer.parallel, proposer.static is not None, proposer.draft.quantized]

@@ -56,6 +56,7 @@ class TargetModel(TorchStack):
         self.input_bytes = input_bytes
         self.config = cfg = TargetConfig.from_hf(hf_config, name)
         self.dtype = dtype
+        self.kv_dtype = dtype  # the KV cache's (``use_kv_cache``)
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.gguf = gguf
         self.blocks_only = gguf is not None  # no float32 weights: every forward runs the kernels
@@ -79,7 +80,16 @@ class TargetModel(TorchStack):
     @property
     def runtime(self) -> Runtime:
         """What ``from_folder`` chose: whether the GGUF file's blocks are streamed, taking int8 inputs."""
-        return Runtime(quantized=self.blocks_only, int8_activations=self.int8_activations)
+        return Runtime(quantized=self.blocks_only, int8_activations=self.int8_activations,
+                       kv_cache="float16" if self.kv_dtype == torch.float16 else "float32")
+
+    def use_kv_cache(self, kind: str) -> None:
+        """Hold the keys and values of the caches made from now on as ``kind`` ("float32" or
+        "float16"); float16 needs every forward to run the kernels (a GGUF target from its blocks)."""
+        if kind == "float16" and not (self.blocks_only and self._fused is not None):
+            raise JakiroError("a float16 KV cache needs a GGUF target run from its own blocks by the kernels "
+                              "(this one runs float32 weights)")
+        self.kv_dtype = torch.float16 if kind == "float16" else self.dtype
 
     @property
     def tile_matrices(self) -> int:
@@ -137,7 +147,9 @@ class TargetModel(TorchStack):
         as ``runtime`` (default: ``Runtime.from_env()``) asks: its blocks streamed as the file
         holds them unless ``runtime.quantized`` is False (then a float32 copy runs), taking int8
         inputs (True; needs a CPU with AVX-512 VNNI or AMX) or float32-accurate ones (False);
-        unset: int8 where the CPU can. ``runtime`` of the model says what was chosen."""
+        unset: int8 where the CPU can; its KV cache float16 with int8 inputs and float32 with
+        float32-accurate ones unless ``runtime.kv_cache`` says. ``runtime`` of the model says what
+        was chosen."""
         from . import gguf_file, quant
         from .hub import _log
         runtime = runtime or Runtime.from_env()
@@ -167,25 +179,31 @@ class TargetModel(TorchStack):
                               "JAKIRO_AMX not set to 0); this one runs float32 inputs only")
         input_bytes = 1 if int8 else 3
         if not stream_blocks:
+            if runtime.kv_cache == "float16":
+                raise JakiroError(f"a {runtime.kv_cache} KV cache needs a GGUF target run from its own blocks "
+                                  f"({folder} {'is run as a float32 copy' if is_gguf else 'holds float weights'})")
             state = load_state_dict(folder)
             return cls(hf_config, *state_layers(cfg, state, dtype), name=name, dtype=dtype)
         weights = gguf_file.GGUFWeights(folder)
         factors = weights.raw("rope_freqs.weight", copy=True) if "rope_freqs.weight" in weights else None
-        return cls(hf_config, *gguf_layers(cfg, weights, input_bytes), name=name, input_bytes=input_bytes,
-                   gguf=weights, rope_factors=factors)
+        model = cls(hf_config, *gguf_layers(cfg, weights, input_bytes), name=name, input_bytes=input_bytes,
+                    gguf=weights, rope_factors=factors)
+        model.use_kv_cache(runtime.kv_cache or ("float16" if int8 else "float32"))
+        return model
 
     def new_cache(self, max_len: int, scratch: int = 0) -> KVCache:
         """A cache for sequences of up to ``max_len`` tokens plus ``scratch`` slots for the
         uncommitted tree tokens of the last verification forward."""
         cfg = self.config
-        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self._cache_room(max_len, scratch), self.dtype)
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self._cache_room(max_len, scratch),
+                       self.kv_dtype)
 
     def new_batch_cache(self, batch: int, max_len: int, scratch: int = 0) -> BatchKVCache:
         """A cache for ``batch`` independent sequences of up to ``max_len`` tokens each (plus
         ``scratch`` slots each for the uncommitted tokens of a verification forward)."""
         cfg = self.config
         return BatchKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, batch, self._cache_room(max_len, scratch),
-                            self.dtype)
+                            self.kv_dtype)
 
     def _cache_room(self, max_len: int, scratch: int) -> int:
         """Entries a sequence's cache holds: ``max_len`` within the context, ``scratch`` within the

@@ -104,6 +104,8 @@ def _identity(cfg: DataConfig, target) -> dict:
         identity["tokens_only"] = True
     if getattr(target, "int8_activations", False):  # answers and features of that computation
         identity["int8_activations"] = True
+    if getattr(target, "kv_dtype", torch.float32) == torch.float16:  # likewise
+        identity["kv_cache"] = "float16"
     aux_layers = parse_layers(cfg.aux_layers)
     if aux_layers:
         target.check_aux_layers(aux_layers)

@@ -10,7 +10,11 @@
 // decoding gives it once its ancestors are committed.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -197,16 +201,40 @@ inline av aload(const float* p) {
 
 inline void astore(float* p, av v) { std::memcpy(p, &v, sizeof(v)); }
 
+// Cached keys and values are float32, or float16 (``half``: half the memory a sequence holds and
+// half the bytes each new row reads from a long context); either way the attention's products and
+// sums are float32, and every row reads the same values whatever the rows beside it.
+using half = c10::Half;
+inline av kload(const float* p) { return aload(p); }
+inline av kload(const half* p) {
+#if defined(__AVX512F__)
+  return (av)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return (av)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  av v;
+  for (int i = 0; i < AL; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+inline float kvalue(float x) { return x; }
+inline float kvalue(half x) { return static_cast<float>(x); }
+// a new row's keys or values into the cache (float16: rounded to nearest, ties to even)
+inline void kstore(float* to, const float* from, int64_t D) { std::memcpy(to, from, D * sizeof(float)); }
+inline void kstore(half* to, const float* from, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) to[i] = half(from[i]);
+}
+
 // Scores of G query heads q [G][C vectors] against keys k[0..NK): NK chains side by side per
 // head, each key vector loaded once for all G heads; out[h][j] for key j
-template <int C, int G, int NK>
-inline void dot_heads(const float* q, int64_t D, const float* const* k, float (*out)[4]) {
+template <int C, int G, int NK, class KT>
+inline void dot_heads(const float* q, int64_t D, const KT* const* k, float (*out)[4]) {
   av acc[G][NK];
   for (int h = 0; h < G; ++h)
     for (int j = 0; j < NK; ++j) acc[h][j] = av{};
   for (int i = 0; i < C; ++i) {
     av kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = aload(k[j] + i * AL);
+    for (int j = 0; j < NK; ++j) kv[j] = kload(k[j] + i * AL);
     for (int h = 0; h < G; ++h) {
       const av qv = aload(q + h * D + i * AL);
       for (int j = 0; j < NK; ++j) acc[h][j] += qv * kv[j];
@@ -227,15 +255,15 @@ inline void dot_heads(const float* q, int64_t D, const float* const* k, float (*
 // dot_heads for R rows' query heads (q[r]) against the same keys, each key vector loaded once for
 // all rows; each row's sums in dot_heads' order (a key's sum is its own: hsum4 sums each lane
 // group as hsum does, so how many keys a pass takes does not change it)
-template <int C, int G, int NK, int R>
-inline void dot_heads_rows(const float* const* q, int64_t D, const float* const* k, float (*out)[G][4]) {
+template <int C, int G, int NK, int R, class KT>
+inline void dot_heads_rows(const float* const* q, int64_t D, const KT* const* k, float (*out)[G][4]) {
   av acc[R][G][NK];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < G; ++h)
       for (int j = 0; j < NK; ++j) acc[r][h][j] = av{};
   for (int i = 0; i < C; ++i) {
     av kv[NK];
-    for (int j = 0; j < NK; ++j) kv[j] = aload(k[j] + i * AL);
+    for (int j = 0; j < NK; ++j) kv[j] = kload(k[j] + i * AL);
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < G; ++h) {
         const av x = aload(q[r] + h * D + i * AL);
@@ -282,14 +310,15 @@ inline void softmax_rows(float* scores, int64_t g, int64_t L, float* inv) {
 // core reads at a fraction of the rate several streams reach; asking for the rows AHEAD
 // positions on keeps more of them in flight
 constexpr int64_t AHEAD = 8;
-inline void prefetch_row(const float* p, int vectors) {
-  for (int c = 0; c < vectors * AL; c += 64 / static_cast<int>(sizeof(float))) __builtin_prefetch(p + c, 0, 3);
+template <class KT>
+inline void prefetch_row(const KT* p, int vectors) {
+  for (int c = 0; c < vectors * AL; c += 64 / static_cast<int>(sizeof(KT))) __builtin_prefetch(p + c, 0, 3);
 }
 
 // Scores of the G query heads q [G][D] sharing one KV head against the keys `vis` from key
 // index i0 (a multiple of the keys per pass) on: scores [G][L], scaled.
-template <int C, int G>
-void score_keys(const float* q, const float* K, int64_t ld, const Visible& vis, int64_t D, float scale, float* scores,
+template <int C, int G, class KT>
+void score_keys(const float* q, const KT* K, int64_t ld, const Visible& vis, int64_t D, float scale, float* scores,
                 int64_t i0) {
   constexpr int NK = SCORE_KEYS;
   const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
@@ -297,7 +326,7 @@ void score_keys(const float* q, const float* K, int64_t ld, const Visible& vis, 
   int64_t i = i0;
   float sc[G][4];
   for (; i + NK <= L; i += NK) {
-    const float* k[NK];
+    const KT* k[NK];
     for (int j = 0; j < NK; ++j) k[j] = K + key(i + j) * ld;
     if (i + AHEAD + NK <= P)
       for (int j = 0; j < NK; ++j) prefetch_row(K + (i + AHEAD + j) * ld, C);
@@ -306,7 +335,7 @@ void score_keys(const float* q, const float* K, int64_t ld, const Visible& vis, 
       for (int j = 0; j < NK; ++j) scores[h * L + i + j] = sc[h][j] * scale;
   }
   for (; i < L; ++i) {
-    const float* k = K + key(i) * ld;
+    const KT* k = K + key(i) * ld;
     dot_heads<C, G, 1>(q, D, &k, sc);
     for (int h = 0; h < G; ++h) scores[h * L + i] = sc[h][0] * scale;
   }
@@ -314,16 +343,16 @@ void score_keys(const float* q, const float* K, int64_t ld, const Visible& vis, 
 
 // acc [G][CH] += the G heads' softmax weights (scores [G][L]) times value chunks c0..c0+CH-1 of
 // the keys `vis` from key index t0 on, one key after another
-template <int G, int CH>
-inline void add_values(const float* V, int64_t ld, const Visible& vis, const float* scores, int64_t c0, int64_t t0,
+template <int G, int CH, class KT>
+inline void add_values(const KT* V, int64_t ld, const Visible& vis, const float* scores, int64_t c0, int64_t t0,
                        av (*acc)[CH]) {
   const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
   for (int64_t t = t0; t < L; ++t) {
     const int64_t key = t < P ? t : vis.extra[t - P];
-    const float* v = V + key * ld + c0 * AL;
+    const KT* v = V + key * ld + c0 * AL;
     if (t + AHEAD < P) prefetch_row(V + (t + AHEAD) * ld + c0 * AL, CH);
     av vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = aload(v + c * AL);
+    for (int c = 0; c < CH; ++c) vv[c] = kload(v + c * AL);
     for (int h = 0; h < G; ++h) {
       const av p = av{} + scores[h * L + t];
       for (int c = 0; c < CH; ++c) acc[h][c] += p * vv[c];
@@ -334,8 +363,8 @@ inline void add_values(const float* V, int64_t ld, const Visible& vis, const flo
 // The G query heads q [G][D] sharing one KV head attend the keys `vis`: out [G][D], D = AL C.
 // Keys and values are read once per pass for all G heads (attend_any runs other group sizes one
 // head at a time). scores: scratch of G * (number of keys) floats.
-template <int C, int G>
-void attend_heads(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
+template <int C, int G, class KT>
+void attend_heads(const float* q, const KT* K, const KT* V, int64_t ld, const Visible& vis, int64_t D,
                   float scale, float* out, float* scores) {
   constexpr int CH = value_chunks<C, G>();
   static_assert(C % CH == 0, "value chunks must divide the head");
@@ -371,8 +400,8 @@ constexpr int rows_chunks() {
 // R rows. Every row's sums take the same operations in the same order as attend_heads gives it
 // alone (each score lane group and each lane of a value chunk sums over its keys in order, however
 // many keys or chunks a pass takes), so the results are bitwise the same.
-template <int C, int G, int R>
-void attend_rows(const float* const* q, const float* K, const float* V, int64_t ld, const Visible* const* vis,
+template <int C, int G, int R, class KT>
+void attend_rows(const float* const* q, const KT* K, const KT* V, int64_t ld, const Visible* const* vis,
                  int64_t D, float scale, float* const* out, float* const* sc) {
   constexpr int NK = rows_keys<C, G, R>(), CH = rows_chunks<C, G, R>();
   static_assert(NK >= 1 && CH >= 1, "registers");
@@ -384,7 +413,7 @@ void attend_rows(const float* const* q, const float* K, const float* V, int64_t 
   // scores of the shared keys in whole passes, then each row's rest as attend_heads scores them
   const int64_t shared = P / SCORE_KEYS * SCORE_KEYS;
   for (int64_t i = 0; i + NK <= shared; i += NK) {
-    const float* k[NK];
+    const KT* k[NK];
     for (int j = 0; j < NK; ++j) k[j] = K + (i + j) * ld;
     if (i + AHEAD + NK <= P)
       for (int j = 0; j < NK; ++j) prefetch_row(K + (i + AHEAD + j) * ld, C);
@@ -405,10 +434,10 @@ void attend_rows(const float* const* q, const float* K, const float* V, int64_t 
       for (int h = 0; h < G; ++h)
         for (int c = 0; c < CH; ++c) acc[r][h][c] = av{};
     for (int64_t t = 0; t < P; ++t) {
-      const float* v = V + t * ld + c0 * AL;
+      const KT* v = V + t * ld + c0 * AL;
       if (t + AHEAD < P) prefetch_row(V + (t + AHEAD) * ld + c0 * AL, CH);
       av vv[CH];
-      for (int c = 0; c < CH; ++c) vv[c] = aload(v + c * AL);
+      for (int c = 0; c < CH; ++c) vv[c] = kload(v + c * AL);
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < G; ++h) {
           const av p = av{} + sc[r][h * L[r] + t];
@@ -424,25 +453,31 @@ void attend_rows(const float* const* q, const float* K, const float* V, int64_t 
 }
 
 // One query head q [D] attends the keys `vis`, for a head size that is not a multiple of the lanes
-void attend_scalar(const float* q, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
+template <class KT>
+void attend_scalar(const float* q, const KT* K, const KT* V, int64_t ld, const Visible& vis, int64_t D,
                    float scale, float* out, float* scores) {
   const int64_t P = vis.prefix, L = P + static_cast<int64_t>(vis.extra.size());
   auto key = [&](int64_t i) { return i < P ? i : vis.extra[i - P]; };
-  for (int64_t i = 0; i < L; ++i) scores[i] = dot(q, K + key(i) * ld, D) * scale;
+  for (int64_t i = 0; i < L; ++i) {
+    const KT* k = K + key(i) * ld;
+    float s = 0.f;
+    for (int64_t c = 0; c < D; ++c) s += q[c] * kvalue(k[c]);
+    scores[i] = s * scale;
+  }
   float inv;
   softmax_rows(scores, 1, L, &inv);
   std::fill(out, out + D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const float* v = V + key(t) * ld;
+    const KT* v = V + key(t) * ld;
     const float p = scores[t];
-    for (int64_t c = 0; c < D; ++c) out[c] += p * v[c];
+    for (int64_t c = 0; c < D; ++c) out[c] += p * kvalue(v[c]);
   }
   for (int64_t c = 0; c < D; ++c) out[c] *= inv;
 }
 
 // the g query heads of a KV head one at a time (scores [g][keys] as for attend_heads)
-template <int C>
-void attend_each(const float* q, int64_t g, const float* K, const float* V, int64_t ld, const Visible& vis,
+template <int C, class KT>
+void attend_each(const float* q, int64_t g, const KT* K, const KT* V, int64_t ld, const Visible& vis,
                  int64_t D, float scale, float* out, float* scores) {
   const int64_t L = vis.prefix + static_cast<int64_t>(vis.extra.size());
   for (int64_t h = 0; h < g; ++h) {
@@ -453,7 +488,8 @@ void attend_each(const float* q, int64_t g, const float* K, const float* V, int6
   }
 }
 
-void attend_any(const float* q, int64_t g, const float* K, const float* V, int64_t ld, const Visible& vis, int64_t D,
+template <class KT>
+void attend_any(const float* q, int64_t g, const KT* K, const KT* V, int64_t ld, const Visible& vis, int64_t D,
                 float scale, float* out, float* scores) {
   if (D == 64 && g == 3) return attend_heads<64 / AL, 3>(q, K, V, ld, vis, D, scale, out, scores);
   if (D == 64 && g == 4) return attend_heads<64 / AL, 4>(q, K, V, ld, vis, D, scale, out, scores);
@@ -469,8 +505,8 @@ void attend_any(const float* q, int64_t g, const float* K, const float* V, int64
 // R (1 to ROW_GROUP) rows' query heads of one KV head (see attend_rows) where the kernels take
 // them at once; false for other head layouts (the caller runs attend_any on each row)
 constexpr int64_t ROW_GROUP = 4;
-template <int R>
-bool attend_group_of(const float* const* q, int64_t g, const float* K, const float* V, int64_t ld,
+template <int R, class KT>
+bool attend_group_of(const float* const* q, int64_t g, const KT* K, const KT* V, int64_t ld,
                      const Visible* const* vis, int64_t D, float scale, float* const* out, float* const* sc) {
   if (D == 64 && g == 3) return attend_rows<64 / AL, 3, R>(q, K, V, ld, vis, D, scale, out, sc), true;
   if (D == 64 && g == 2) return attend_rows<64 / AL, 2, R>(q, K, V, ld, vis, D, scale, out, sc), true;
@@ -478,7 +514,8 @@ bool attend_group_of(const float* const* q, int64_t g, const float* K, const flo
   return false;
 }
 
-bool attend_group(int64_t rows, const float* const* q, int64_t g, const float* K, const float* V, int64_t ld,
+template <class KT>
+bool attend_group(int64_t rows, const float* const* q, int64_t g, const KT* K, const KT* V, int64_t ld,
                   const Visible* const* vis, int64_t D, float scale, float* const* out, float* const* sc) {
   switch (rows) {
     case 2: return attend_group_of<2>(q, g, K, V, ld, vis, D, scale, out, sc);
@@ -539,21 +576,27 @@ struct AttentionWeights {
   const float* k_norm;
 };
 
-// one layer's keys and values: [Hkv][max_len][D] each, heads `head_stride` floats apart
+// one layer's keys and values: [Hkv][max_len][D] each, float32 or float16 (`half`), heads
+// `head_stride` entries apart
 struct LayerCache {
-  float* k;
-  float* v;
+  void* k;
+  void* v;
+  bool half;
   int64_t head_stride, row_stride;
-  // independent sequences (batched decoding): row r has its own cache, batch_stride floats after
+  // independent sequences (batched decoding): row r has its own cache, batch_stride entries after
   // row r - 1's, and its new entry goes at position at[r]; else all rows share one cache and
   // row r goes at past + r
   int64_t batch_stride = 0;
   const int64_t* at = nullptr;
   // with several rows per sequence (verifying a batch of trees), row r's sequence is seq[r]
   const int64_t* seq = nullptr;
-  float* k_of(int64_t r) const { return k + (seq ? seq[r] : r) * batch_stride; }
-  float* v_of(int64_t r) const { return v + (seq ? seq[r] : r) * batch_stride; }
+  template <class KT>
+  KT* k_of(int64_t r) const { return static_cast<KT*>(k) + (seq ? seq[r] : r) * batch_stride; }
+  template <class KT>
+  KT* v_of(int64_t r) const { return static_cast<KT*>(v) + (seq ? seq[r] : r) * batch_stride; }
   int64_t position(int64_t r, int64_t past) const { return at ? at[r] : past + r; }
+  // whether rows a and b read the same keys and values (one shared cache, or one sequence's)
+  bool same_sequence(int64_t a, int64_t b) const { return batch_stride == 0 || (seq ? seq[a] == seq[b] : a == b); }
 };
 
 struct Scratch {
@@ -566,11 +609,57 @@ struct Scratch {
 // 0.7-2.3 ms slower, one token no faster)
 constexpr int64_t PARALLEL_WORK = int64_t(1) << 16;
 
+// the rows' new keys and values (rotated, in s.qkv) into the cache, then each row's attention
+// over what vis[r] names into s.o
+template <class KT>
+void store_and_attend(const Shape& S, const LayerCache& c, int64_t past, const std::vector<Visible>& vis,
+                      const Scratch& s) {
+  const int64_t n = S.n, H = S.H, Hkv = S.Hkv, D = S.D, NQKV = S.qkv(), g = H / Hkv;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = s.qkv + r * NQKV;
+    const int64_t p = c.position(r, past);
+    for (int64_t j = 0; j < Hkv; ++j) {
+      kstore(c.k_of<KT>(r) + j * c.head_stride + p * c.row_stride, row + (H + j) * D, D);
+      kstore(c.v_of<KT>(r) + j * c.head_stride + p * c.row_stride, row + (H + Hkv + j) * D, D);
+    }
+  }
+  // one task per (group of up to ROW_GROUP consecutive rows of one sequence, KV head), each row's g
+  // query heads consecutive in q: rows that share a cache read the keys and values they all visit
+  // once (attend_group), a batch's trees each theirs, not once per row
+  std::vector<int64_t> starts;
+  for (int64_t r = 0; r < n; ++r)
+    if (starts.empty() || r - starts.back() == ROW_GROUP || !c.same_sequence(r, starts.back())) starts.push_back(r);
+  starts.push_back(n);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t work = n * H * s.keys * D, ld = g * s.keys;
+  auto attend_row = [&](int64_t r, int64_t j) {
+    attend_any(s.qkv + r * NQKV + j * g * D, g, c.k_of<KT>(r) + j * c.head_stride, c.v_of<KT>(r) + j * c.head_stride,
+               c.row_stride, vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + (r * Hkv + j) * ld);
+  };
+  at::parallel_for(0, groups * Hkv, work >= PARALLEL_WORK ? 1 : groups * Hkv, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = starts[t / Hkv], j = t % Hkv, rows = starts[t / Hkv + 1] - r0;
+      const float* q[ROW_GROUP];
+      const Visible* v[ROW_GROUP];
+      float *o[ROW_GROUP], *sc[ROW_GROUP];
+      for (int64_t r = 0; r < rows; ++r) {
+        q[r] = s.qkv + (r0 + r) * NQKV + j * g * D;
+        v[r] = &vis[r0 + r];
+        o[r] = s.o + (r0 + r) * H * D + j * g * D;
+        sc[r] = s.scores + ((r0 + r) * Hkv + j) * ld;
+      }
+      if (rows == 1 || !attend_group(rows, q, g, c.k_of<KT>(r0) + j * c.head_stride, c.v_of<KT>(r0) + j * c.head_stride,
+                                     c.row_stride, v, D, S.scale, o, sc))
+        for (int64_t r = 0; r < rows; ++r) attend_row(r0 + r, j);
+    }
+  });
+}
+
 // x [n, d] += o(attention(rmsnorm(x))), writing the new keys and values at past..past+n-1
 void attention_block(float* x, const Shape& S, const AttentionWeights& w, const LayerCache& c, int64_t past,
                      const float* cos, const float* sin, const std::vector<Visible>& vis, const Scratch& s,
                      int64_t input_bytes = 3) {
-  const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv, D = S.D, NQKV = S.qkv(), g = H / Hkv;
+  const int64_t n = S.n, d = S.d, H = S.H, Hkv = S.Hkv, D = S.D, NQKV = S.qkv();
   for (int64_t r = 0; r < n; ++r) rmsnorm(x + r * d, w.norm, s.h + r * d, d, S.eps);
   apply_stacked(w.qkv, NQKV, w.qkv_bias, s.h, n, d, s.qkv, input_bytes);
   for (int64_t r = 0; r < n; ++r) {
@@ -585,38 +674,11 @@ void attention_block(float* x, const Shape& S, const AttentionWeights& w, const 
       }
       rope(v, cos + r * D, sin + r * D, D);
     }
-    const int64_t p = c.position(r, past);
-    for (int64_t j = 0; j < Hkv; ++j) {
-      std::memcpy(c.k_of(r) + j * c.head_stride + p * c.row_stride, row + (H + j) * D, D * sizeof(float));
-      std::memcpy(c.v_of(r) + j * c.head_stride + p * c.row_stride, row + (H + Hkv + j) * D, D * sizeof(float));
-    }
   }
-  // one task per (group of up to ROW_GROUP rows, KV head), each row's g query heads consecutive in
-  // q: rows that share a cache read the keys and values they all visit once (attend_group);
-  // independent sequences (batched decoding) go one row per task
-  const int64_t work = n * H * s.keys * D, ld = g * s.keys;
-  const int64_t per = c.batch_stride == 0 ? ROW_GROUP : 1, groups = (n + per - 1) / per;
-  auto attend_row = [&](int64_t r, int64_t j) {
-    attend_any(s.qkv + r * NQKV + j * g * D, g, c.k_of(r) + j * c.head_stride, c.v_of(r) + j * c.head_stride,
-               c.row_stride, vis[r], D, S.scale, s.o + r * H * D + j * g * D, s.scores + (r * Hkv + j) * ld);
-  };
-  at::parallel_for(0, groups * Hkv, work >= PARALLEL_WORK ? 1 : groups * Hkv, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t r0 = t / Hkv * per, j = t % Hkv, rows = std::min(per, n - r0);
-      const float* q[ROW_GROUP];
-      const Visible* v[ROW_GROUP];
-      float *o[ROW_GROUP], *sc[ROW_GROUP];
-      for (int64_t r = 0; r < rows; ++r) {
-        q[r] = s.qkv + (r0 + r) * NQKV + j * g * D;
-        v[r] = &vis[r0 + r];
-        o[r] = s.o + (r0 + r) * H * D + j * g * D;
-        sc[r] = s.scores + ((r0 + r) * Hkv + j) * ld;
-      }
-      if (rows == 1 || !attend_group(rows, q, g, c.k + j * c.head_stride, c.v + j * c.head_stride, c.row_stride, v, D,
-                                     S.scale, o, sc))
-        for (int64_t r = 0; r < rows; ++r) attend_row(r0 + r, j);
-    }
-  });
+  if (c.half)
+    store_and_attend<half>(S, c, past, vis, s);
+  else
+    store_and_attend<float>(S, c, past, vis, s);
   jakiro::apply_linear(*w.o, d, nullptr, s.o, n, H * D, s.y, input_bytes);
   for (int64_t i = 0; i < n * d; ++i) x[i] += s.y[i];
 }
@@ -647,8 +709,10 @@ const float* optional_data(const c10::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
 }
 
+bool cache_dtype(const at::Tensor& kv) { return kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kHalf; }
+
 void check_cache(const at::Tensor& kv, int64_t layers, int64_t Hkv, int64_t past, int64_t n) {
-  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kFloat && kv.size(0) == layers && kv.size(2) == 1 &&
+  TORCH_CHECK(kv.dim() == 6 && cache_dtype(kv) && kv.size(0) == layers && kv.size(2) == 1 &&
                   kv.size(3) == Hkv && kv.stride(5) == 1 && kv.stride(4) == kv.size(5) && kv.size(5) % 2 == 0 &&
                   kv.size(5) <= 1024,
               "the KV cache does not match the model");
@@ -663,8 +727,10 @@ void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t n, int64_t
 }
 
 LayerCache layer_cache(const at::Tensor& kv, int64_t layer) {
-  float* k = kv.data_ptr<float>() + layer * kv.stride(0);
-  return {k, k + kv.stride(1), kv.stride(3), kv.stride(4)};
+  const bool half = kv.scalar_type() == at::kHalf;
+  const int64_t size = half ? 2 : 4;
+  char* k = static_cast<char*>(kv.data_ptr()) + layer * kv.stride(0) * size;
+  return {k, k + kv.stride(1) * size, half, kv.stride(3), kv.stride(4)};
 }
 
 // The layers' weights as decoder_layers takes them (nine per layer), checked against the shapes;
@@ -782,7 +848,7 @@ at::Tensor run_sequences(const at::Tensor& x_in, const std::vector<c10::optional
   auto x = x_in.contiguous().clone();
   const int64_t n = x.size(0), d = x.size(1), layers = static_cast<int64_t>(weights.size()) / SLOTS;
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, op, ": head layout");
-  TORCH_CHECK(kv.dim() == 6 && kv.scalar_type() == at::kFloat && kv.size(0) == layers && kv.size(3) == Hkv &&
+  TORCH_CHECK(kv.dim() == 6 && cache_dtype(kv) && kv.size(0) == layers && kv.size(3) == Hkv &&
                   kv.stride(5) == 1 && kv.stride(4) == kv.size(5) && kv.size(5) % 2 == 0 && kv.size(5) <= 1024,
               op, ": the KV cache does not match the model");
   int64_t keys = 1;
