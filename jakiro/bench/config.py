@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from ..settings import opt
 
+# what the loaded target turned out to run (``run_bench`` sets them): recorded beside a run's
+# settings, not among them
+LOADED_TARGET_FIELDS = ("int8_activations", "quantized_weights", "kv_cache")
+
 
 @dataclass
 class BenchConfig:

@@ -14,7 +14,7 @@ from ..errors import JakiroError
 from ..methods import METHODS
 from ..settings import Runtime
 from ..data.questions import read_questions
-from .config import BenchConfig
+from .config import LOADED_TARGET_FIELDS, BenchConfig
 from .summary import markdown_table, plot_summary, summarize  # noqa: F401 (markdown_table: imported from here too)
 
 HF_METHODS = ("hf", "hf-pld")
@@ -287,7 +287,7 @@ def _resume(cfg: BenchConfig, questions: list[dict]) -> tuple[dict[str, list[dic
     line per finished question in progress.jsonl); a folder holding another run is refused. The
     number of questions per category may change: a run can be extended to more questions later."""
     settings = {k: v for k, v in cfg.__dict__.items()
-                if k not in ("out", "limit_per_category", "int8_activations", "quantized_weights", "kv_cache")}
+                if k not in ("out", "limit_per_category", *LOADED_TARGET_FIELDS)}
     settings["threads"] = torch.get_num_threads()
     if cfg.quantized_weights:  # (absent otherwise, as in runs recorded before the option existed)
         settings["quantized_weights"] = True

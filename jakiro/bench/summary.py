@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .config import LOADED_TARGET_FIELDS
+
 if TYPE_CHECKING:
     from .config import BenchConfig
 
@@ -59,8 +61,7 @@ def summarize(records: dict[str, list[dict]], cfg: BenchConfig) -> dict:
     ar_ids = _turn_ids(records["ar"])
     # llama.cpp's speculation is also held against its own plain text
     llama_ids = _turn_ids(records["llamacpp"]) if "llamacpp" in records else None
-    result = {"config": {k: v for k, v in cfg.__dict__.items()
-                         if k not in ("int8_activations", "quantized_weights", "kv_cache")},
+    result = {"config": {k: v for k, v in cfg.__dict__.items() if k not in LOADED_TARGET_FIELDS},
               "threads": torch.get_num_threads(), "quantized_weights": cfg.quantized_weights,
               "int8_activations": cfg.int8_activations, "kv_cache": cfg.kv_cache, "methods": {}}
     for m, rows in records.items():

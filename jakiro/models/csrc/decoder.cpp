@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -461,7 +462,11 @@ void attend_scalar(const float* q, const KT* K, const KT* V, int64_t ld, const V
   for (int64_t i = 0; i < L; ++i) {
     const KT* k = K + key(i) * ld;
     float s = 0.f;
-    for (int64_t c = 0; c < D; ++c) s += q[c] * kvalue(k[c]);
+    if constexpr (std::is_same_v<KT, float>) {
+      s = dot(q, k, D);
+    } else {
+      for (int64_t c = 0; c < D; ++c) s += q[c] * kvalue(k[c]);
+    }
     scores[i] = s * scale;
   }
   float inv;
@@ -727,10 +732,9 @@ void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t n, int64_t
 }
 
 LayerCache layer_cache(const at::Tensor& kv, int64_t layer) {
-  const bool half = kv.scalar_type() == at::kHalf;
-  const int64_t size = half ? 2 : 4;
+  const int64_t size = kv.element_size();
   char* k = static_cast<char*>(kv.data_ptr()) + layer * kv.stride(0) * size;
-  return {k, k + kv.stride(1) * size, half, kv.stride(3), kv.stride(4)};
+  return {k, k + kv.stride(1) * size, kv.scalar_type() == at::kHalf, kv.stride(3), kv.stride(4)};
 }
 
 // The layers' weights as decoder_layers takes them (nine per layer), checked against the shapes;
